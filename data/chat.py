@@ -1,0 +1,121 @@
+"""Render conversations with the target tokenizer's own chat template and mark assistant tokens for loss.
+
+`apply_chat_template(return_assistant_tokens_mask=True)` only works for templates with
+`{% generation %}` markers, which real templates mostly lack. So the mask is computed on the
+full render F of the conversation (the text the target really sees) by locating each assistant turn:
+  * the generation prompt (e.g. `<|im_start|>assistant\n`) is the render of messages[:i] with
+    `add_generation_prompt=True` minus the render without it;
+  * the turn's end marker (e.g. `<|im_end|>`, `<|eot_id|>`) is what the template writes after an
+    assistant message's content, read once from a probe conversation;
+  * turn i's loss span runs from after its generation prompt to the end of its end marker, and must
+    contain the message's content. Everything the model generates in that turn (reasoning a template keeps,
+    tool calls, the end marker) is trained; what the template drops from earlier turns is simply absent.
+Because spans are searched in F itself rather than in prefix renders, templates that render earlier
+turns differently (dropping their reasoning, say) get correct masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .conversations import Conversation, MalformedSample, SkipReport
+
+
+@dataclass
+class TokenizedSample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is produced by an assistant turn that carries loss
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatTokenizer:
+    """Chat template render + assistant loss mask + tokenization, for one target tokenizer."""
+
+    def __init__(self, tokenizer: Any, loss_on: str = "all", max_length: int = 2048, overflow: str = "truncate"):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("a fast tokenizer is needed (character offsets locate assistant tokens)")
+        self.tokenizer, self.loss_on = tokenizer, loss_on
+        self.max_length, self.overflow = max_length, overflow
+        self.end_marker = self._probe_end_marker()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _probe_end_marker(self) -> str:
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        prompt, full = self.render(probe[:1], True), self.render(probe)
+        if not full.startswith(prompt):
+            raise ValueError("chat template: the generation prompt is not a prefix of the rendered reply; "
+                             f"prompt={prompt!r} full={full!r}")
+        reply = full[len(prompt):]
+        return reply[reply.rfind("pong") + len("pong"):].strip()
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The full render and the character span of every assistant turn in it."""
+        text = self.render(messages)
+        spans, cursor = [], 0
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            prompt, plain = self.render(messages[:i], True), self.render(messages[:i])
+            header = prompt[_common_prefix_len(prompt, plain):]
+            pos = text.find(header, cursor) if header else -1
+            if pos < 0:
+                raise ValueError(f"message {i}: the assistant generation prompt {header!r} is not in the render")
+            start = pos + len(header)
+            content = msg.get("content", "").strip()
+            content_end = start
+            if content:
+                found = text.find(content, start)
+                if found < 0:
+                    raise ValueError(f"message {i}: the assistant content is not in the render after its prompt")
+                content_end = found + len(content)
+            end = content_end
+            if self.end_marker:
+                found = text.find(self.end_marker, content_end)
+                if found < 0:
+                    raise ValueError(f"message {i}: no end marker {self.end_marker!r} after the assistant turn")
+                end = found + len(self.end_marker)
+            spans.append((start, end))
+            cursor = end
+        return text, spans
+
+    def __call__(self, conv: Conversation) -> TokenizedSample:
+        """Render + mask + tokenize (untruncated). Raises MalformedSample naming the sample."""
+        try:
+            text, spans = self.assistant_spans(conv.messages)
+        except Exception as e:  # jinja's raise_exception, role-order checks, span search failures
+            raise MalformedSample(f"sample {conv.id}", f"chat template: {e}", "template_error") from None
+        if self.loss_on == "last":
+            spans = spans[-1:]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask, k = [], 0
+        for a, b in enc["offset_mapping"]:
+            while k < len(spans) and spans[k][1] <= a:
+                k += 1
+            mask.append(int(k < len(spans) and b > spans[k][0] and a < spans[k][1]))
+        return TokenizedSample(conv.id, list(enc["input_ids"]), mask)
+
+    def fit(self, sample: TokenizedSample, report: SkipReport) -> TokenizedSample | None:
+        """Apply the length budget; a dropped sample is counted in the report."""
+        if len(sample.input_ids) > self.max_length:
+            if self.overflow == "drop":
+                report.skip("too_long", f"sample {sample.id}", f"{len(sample.input_ids)} tokens")
+                return None
+            report.truncated += 1
+            sample = TokenizedSample(sample.id, sample.input_ids[:self.max_length], sample.loss_mask[:self.max_length])
+        if not any(sample.loss_mask):
+            report.skip("no_loss_tokens", f"sample {sample.id}")
+            return None
+        return sample

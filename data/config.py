@@ -1,0 +1,148 @@
+"""The one typed config of the whole project: a YAML file plus `--section.key value` overrides.
+
+Every stage reads its section of the same `EyrieConfig`; unknown keys and wrong types are errors that
+name the key. It lives in `data/` because every stage imports `data/` (data flows one way).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    path: str = Field(description="transformers model directory of the target (config.json, tokenizer, safetensors)")
+    tokenizer: str | None = Field(None, description="tokenizer directory; default: the target's path")
+    aux_layer_ids: list[int] | None = Field(
+        None, description="SGLang convention: id i = output of 0-based decoder layer i; default [1, L//2-1, L-4]")
+    trust_remote_code: bool = Field(False, description="let transformers run code shipped with the checkpoint")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+
+class RegenerateConfig(Section):
+    enabled: bool = Field(False, description="re-answer every user turn with the target (self-distillation)")
+    backend: Literal["openai", "local"] = Field(
+        "openai", description="openai: an OpenAI-compatible endpoint (sglang.launch_server); local: transformers generate")
+    endpoint: str = Field("http://127.0.0.1:30000/v1", description="base URL of the OpenAI-compatible API")
+    model: str = Field("default", description="model name sent to the endpoint")
+    concurrency: int = Field(8, ge=1, description="requests in flight")
+    max_retries: int = Field(3, ge=0, description="retries per request after the first try")
+    timeout_s: float = Field(600.0, gt=0, description="per-request timeout")
+    max_new_tokens: int = Field(1024, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    keep_reasoning: bool = Field(True, description="keep the target's reasoning_content in the training text")
+
+
+class DataConfig(Section):
+    inputs: list[str] = Field(description="conversation files/dirs: JSONL, Parquet, or a `datasets` save_to_disk dir")
+    skip_malformed: bool = Field(False, description="skip and count malformed rows instead of stopping at the first")
+    max_length: int = Field(2048, ge=8, description="token budget per sample")
+    overflow: Literal["truncate", "drop"] = Field("truncate", description="what to do with longer samples")
+    loss_on: Literal["all", "last"] = Field("all", description="assistant turns that carry loss")
+    draft_vocab_size: int = Field(32000, ge=1, description="size of the drafter's output vocabulary")
+    samples_per_shard: int = Field(1000, ge=1)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+
+class EyrieConfig(Section):
+    run_dir: str = Field("runs/default", description="every stage writes below this directory")
+    seed: int = 0
+    target: TargetConfig
+    data: DataConfig
+
+    def section_hash(self, *names: str) -> str:
+        """Stable hash of some sections, so a stage can tell whether its inputs changed."""
+        blob = json.dumps({n: getattr(self, n).model_dump(mode="json") for n in names}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _parse_value(text: str) -> Any:
+    # Lists/maps and null are YAML; scalars stay strings so pydantic coerces them against the field's type
+    # (YAML would turn a string field's "123" into an int that pydantic then refuses).
+    if text.strip()[:1] in "[{":
+        return yaml.safe_load(text)
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
+    return text
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """Apply `--a.b value` / `--a.b=value` pairs to a raw config dict."""
+    items = list(overrides)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --section.key, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(items):
+                raise ConfigError(f"override {arg} has no value")
+            key, value = arg[2:], items[i + 1]
+            i += 2
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key}: {part} is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        got = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {e.get('input')!r})"
+        lines.append(f"  {key}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> EyrieConfig:
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    raw = apply_overrides(raw, overrides)
+    try:
+        return EyrieConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, str(path or "overrides"))) from None
+
+
+def cli_config(description: str, argv: Sequence[str] | None = None) -> tuple[EyrieConfig, argparse.Namespace]:
+    """Entry-point helper: `--config FILE` plus overrides; prints the resolved config."""
+    parser = argparse.ArgumentParser(description=description,
+                                     epilog="Any config key can be overridden as --section.key value.")
+    parser.add_argument("--config", required=True, help="YAML config file")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        parser.exit(2, f"error: {e}\n")
+    print("resolved config:\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), flush=True)
+    return cfg, args

@@ -1,0 +1,175 @@
+"""Self-distillation: the target re-answers every user turn, so the drafter learns the target's own outputs.
+
+Two ways to run the target: an OpenAI-compatible endpoint (what `sglang.launch_server` exposes), with
+concurrency and retries, or transformers `generate` in this process. The output is a conversation JSONL
+in input order; a re-run resumes from it. The report's succeeded + errors + skipped equals the input count.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable, Protocol
+
+import requests
+from tqdm import tqdm
+
+from .config import RegenerateConfig
+from .conversations import Conversation
+from .shards import atomic_write_json
+
+REGENERATABLE_ROLES = {"system", "user", "assistant"}
+
+
+class Reply(dict):
+    """{'content': str, 'reasoning_content': str | None, 'finish_reason': str}"""
+
+
+class Generator(Protocol):
+    def __call__(self, messages: list[dict]) -> Reply: ...
+
+
+class RetryableError(RuntimeError):
+    pass
+
+
+class OpenAIChatGenerator:
+    """POST {endpoint}/chat/completions, retrying connection errors, 429 and 5xx with backoff."""
+
+    def __init__(self, cfg: RegenerateConfig, sleep: Callable[[float], None] = time.sleep):
+        self.cfg, self.sleep = cfg, sleep
+        self.url = cfg.endpoint.rstrip("/") + "/chat/completions"
+        self.session = requests.Session()
+
+    def _once(self, messages: list[dict]) -> Reply:
+        body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
+                "temperature": self.cfg.temperature}
+        try:
+            resp = self.session.post(self.url, json=body, timeout=self.cfg.timeout_s)
+        except (requests.ConnectionError, requests.Timeout) as e:
+            raise RetryableError(f"{self.url}: {type(e).__name__}: {e}") from None
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise RetryableError(f"{self.url}: HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.url}: HTTP {resp.status_code}: {resp.text[:200]}")
+        choice = resp.json()["choices"][0]
+        msg = choice["message"]
+        return Reply(content=msg.get("content") or "", reasoning_content=msg.get("reasoning_content"),
+                     finish_reason=choice.get("finish_reason") or "stop")
+
+    def __call__(self, messages: list[dict]) -> Reply:
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return self._once(messages)
+            except RetryableError:
+                if attempt == self.cfg.max_retries:
+                    raise
+                self.sleep(min(2.0 ** attempt, 30.0))
+        raise AssertionError("unreachable")
+
+
+class LocalGenerator:
+    """transformers `generate` on the target, greedy unless a temperature is set; one request at a time."""
+
+    def __init__(self, model_path: str, cfg: RegenerateConfig, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch, self.cfg = torch, cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                          trust_remote_code=trust_remote_code)
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        self.lock = threading.Lock()
+
+    def __call__(self, messages: list[dict]) -> Reply:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                 return_dict=True)["input_ids"].to(self.model.device)
+        sampling = {"do_sample": True, "temperature": self.cfg.temperature} if self.cfg.temperature > 0 else \
+            {"do_sample": False}
+        with self.lock, self.torch.no_grad():
+            out = self.model.generate(ids, max_new_tokens=self.cfg.max_new_tokens,
+                                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                                      **sampling)
+        new = out[0, ids.shape[1]:].tolist()
+        finished = bool(new) and new[-1] == self.tokenizer.eos_token_id
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return Reply(content=text, reasoning_content=None, finish_reason="stop" if finished else "length")
+
+
+def regenerate_conversation(conv: Conversation, generate: Generator, keep_reasoning: bool) -> tuple[Conversation, int]:
+    """Replace every assistant turn by the target's answer to the history before it."""
+    history: list[dict] = []
+    truncated = 0
+    for msg in conv.messages:
+        if msg["role"] != "assistant":
+            history.append({"role": msg["role"], "content": msg["content"]})
+            continue
+        reply = generate(list(history))
+        new = {"role": "assistant", "content": reply["content"]}
+        if keep_reasoning and reply.get("reasoning_content"):
+            new["reasoning_content"] = reply["reasoning_content"]
+        truncated += reply.get("finish_reason") == "length"
+        history.append(new)
+    return Conversation(conv.id, history), truncated
+
+
+def regenerate(conversations: list[Conversation], generate: Generator, out_path: str | Path,
+               cfg: RegenerateConfig, concurrency: int | None = None) -> dict:
+    """Regenerate into `out_path` (JSONL), resuming from what it already holds; returns the report."""
+    out_path = Path(out_path)
+    partial = out_path.with_name(out_path.name + ".partial")
+    done: dict[str, dict] = {}
+    for path in (out_path, partial):  # resume: both the finished file and a killed run's partial one
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill; that conversation is simply redone
+                done[row["id"]] = row
+    report = {"input": len(conversations), "succeeded": 0, "resumed": 0, "errors": 0, "skipped": 0,
+              "truncated_replies": 0, "error_examples": [], "skipped_reasons": {}}
+    todo = []
+    for conv in conversations:
+        roles = {m["role"] for m in conv.messages}
+        if not roles <= REGENERATABLE_ROLES:
+            reason = "unsupported_role:" + ",".join(sorted(roles - REGENERATABLE_ROLES))
+            report["skipped"] += 1
+            report["skipped_reasons"][reason] = report["skipped_reasons"].get(reason, 0) + 1
+        elif conv.id in done:
+            report["resumed"] += 1
+        else:
+            todo.append(conv)
+    lock = threading.Lock()
+    with open(partial, "a", encoding="utf-8") as sink, \
+            ThreadPoolExecutor(max_workers=concurrency or cfg.concurrency) as pool:
+        futures = {pool.submit(regenerate_conversation, c, generate, cfg.keep_reasoning): c for c in todo}
+        for fut in tqdm(as_completed(futures), total=len(futures), desc="regenerate", unit="conv"):
+            conv = futures[fut]
+            try:
+                new, truncated = fut.result()
+            except Exception as e:  # counted and reported; the next run retries it
+                report["errors"] += 1
+                if len(report["error_examples"]) < 20:
+                    report["error_examples"].append(f"{conv.id}: {type(e).__name__}: {e}")
+                continue
+            row = {"id": new.id, "messages": new.messages}
+            with lock:
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+                sink.flush()
+            done[new.id] = row
+            report["succeeded"] += 1
+            report["truncated_replies"] += truncated
+    report["succeeded"] += report["resumed"]
+    # Final file in input order, so reruns and resumes give identical output.
+    ordered = [done[c.id] for c in conversations if c.id in done]
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered), encoding="utf-8")
+    tmp.replace(out_path)
+    partial.unlink(missing_ok=True)
+    assert report["succeeded"] + report["errors"] + report["skipped"] == report["input"]
+    atomic_write_json(out_path.with_name(out_path.name + ".report.json"), report)
+    return report

@@ -1,0 +1,121 @@
+"""The embedded demo's target: a generated chat corpus, a BPE tokenizer trained on it, a tiny Llama.
+
+No model hub is reachable, so the demo builds everything itself. The corpus has structure a drafter can
+learn (templated tasks with deterministic answers), so a target trained on it produces predictable text.
+
+    python -m launch.demo_target --out runs/demo/assets [--conversations 400]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{ m.content | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eot_id|>", "<|pad|>"]
+
+WORDS = ("apple river stone cloud tiger maple silver garden rocket candle violet harbor falcon meadow "
+         "copper lantern orbit pepper thunder willow amber canyon dragon ember glacier island jasmine").split()
+NAMES = "Ada Ben Cleo Dan Eve Finn Gus Hana Ivo Jun".split()
+
+
+def _task(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(6)
+    if kind == 0:
+        a, b = rng.randrange(100), rng.randrange(100)
+        return f"What is {a} plus {b}?", f"The sum of {a} and {b} is {a + b}."
+    if kind == 1:
+        xs = rng.sample(WORDS, rng.randrange(3, 7))
+        return (f"Sort these words: {', '.join(xs)}.",
+                f"Here are the words in alphabetical order: {', '.join(sorted(xs))}.")
+    if kind == 2:
+        n = rng.randrange(2, 9)
+        return f"Count from 1 to {n}.", "Counting: " + ", ".join(str(i) for i in range(1, n + 1)) + "."
+    if kind == 3:
+        w = rng.choice(WORDS)
+        return f"Spell the word {w}.", f"The word {w} is spelled " + "-".join(w.upper()) + "."
+    if kind == 4:
+        name, w = rng.choice(NAMES), rng.choice(WORDS)
+        return (f"Write a short note from {name} about a {w}.",
+                f"Dear friend, this is {name}. Today I saw a {w}. The {w} was beautiful. Best wishes, {name}.")
+    xs = [rng.randrange(50) for _ in range(rng.randrange(3, 6))]
+    return (f"What is the largest of {', '.join(map(str, xs))}?",
+            f"The largest number in the list {', '.join(map(str, xs))} is {max(xs)}.")
+
+
+def make_conversations(n: int, seed: int = 0) -> list[dict]:
+    """OpenAI-style conversations, some multi-turn, some with a system prompt."""
+    rng = random.Random(seed)
+    convs = []
+    for i in range(n):
+        messages = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": "You are a precise assistant."})
+        for _ in range(1 if rng.random() < 0.7 else 2):
+            q, a = _task(rng)
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        convs.append({"id": f"demo-{i:05d}", "messages": messages})
+    return convs
+
+
+def build_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512,
+                    chat_template: str = LLAMA3_TEMPLATE, special_tokens: list[str] = LLAMA3_SPECIALS,
+                    bos: str = "<|begin_of_text|>", eos: str = "<|eot_id|>", pad: str = "<|pad|>"):
+    """Train a byte-level BPE tokenizer with `tokenizers` and save it as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
+                     seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4):
+    """A randomly initialised Llama saved with safetensors (the demo trains it before use)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=1024, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out_dir))
+    return model
+
+
+def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    convs = make_conversations(conversations, seed)
+    with open(out / "conversations.jsonl", "w") as fh:
+        fh.writelines(json.dumps(c) + "\n" for c in convs)
+    texts = [m["content"] for c in make_conversations(2000, seed + 1) for m in c["messages"]]
+    tok = build_tokenizer(texts, out / "target")
+    build_tiny_llama(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id)
+    return {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target")}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--conversations", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(build_demo_assets(a.out, a.conversations, a.seed))

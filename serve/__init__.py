@@ -1,0 +1,1 @@
+"""Eyrie stage: serve."""
