@@ -18,6 +18,7 @@ CORE = [
     "tqdm>=4.66",
     "jinja2>=3.1",
     "requests>=2.31",
+    "xxhash>=3",
     "matplotlib>=3.8",
 ]
 

@@ -1,0 +1,112 @@
+"""Assistant loss masks, checked token by token for three real-world template styles."""
+import copy
+
+import pytest
+
+from data.chat import ChatTokenizer
+from data.conversations import Conversation, MalformedSample, SkipReport
+
+
+def masked_runs(tok, sample) -> list[str]:
+    """Decode each contiguous run of loss-masked tokens."""
+    runs, cur = [], []
+    for tid, m in zip(sample.input_ids, sample.loss_mask):
+        if m:
+            cur.append(tid)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+MULTI = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "The sum of 2 and 3 is 5.", "reasoning_content": "add them"},
+    {"role": "user", "content": "Count from 1 to 3."},
+    {"role": "assistant", "content": "Counting: 1, 2, 3.", "reasoning_content": "think about it"},
+]
+
+
+def expected(style: str, messages: list[dict]) -> list[str]:
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        r, c = m.get("reasoning_content"), m["content"]
+        if style == "llama3":
+            out.append(c.strip() + "<|eot_id|>")
+        elif style == "chatml":
+            think = f"<think>\n{r}\n</think>\n\n" if i > last_user and r else ""
+            out.append(think + c + "<|im_end|>")
+        else:
+            think = f"<think>{r or ''}</think>" if i > last_user else "<think></think>"
+            calls = ""
+            if m.get("tool_calls"):
+                calls = "<|tool_calls_section_begin|>" + "".join(
+                    f"<|tool_call_begin|>{t['function']['name']}<|tool_call_argument_begin|>"
+                    f"{t['function']['arguments']}<|tool_call_end|>" for t in m["tool_calls"]) + \
+                    "<|tool_calls_section_end|>"
+            out.append(think + c + calls + "<|im_end|>")
+    return out
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml", "kimi"])
+def test_multi_turn_masks_match_template(make_tokenizer, style):
+    tok = make_tokenizer(style)
+    sample = ChatTokenizer(tok)(Conversation("c1", MULTI))
+    assert sample.input_ids == tok.apply_chat_template(MULTI, tokenize=True, return_dict=True)["input_ids"]
+    assert masked_runs(tok, sample) == expected(style, MULTI)
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml", "kimi"])
+def test_last_turn_only(make_tokenizer, style):
+    tok = make_tokenizer(style)
+    sample = ChatTokenizer(tok, loss_on="last")(Conversation("c1", MULTI))
+    assert masked_runs(tok, sample) == expected(style, MULTI)[-1:]
+
+
+def test_kimi_drops_earlier_reasoning_and_trains_tool_calls(make_tokenizer):
+    tok = make_tokenizer("kimi")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Spell the word tiger."},
+        {"role": "assistant", "content": "The word tiger is spelled T-I-G-E-R.", "reasoning_content": "letters"},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "use the tool", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "The weather in Paris is sunny.", "reasoning_content": "tool said so"},
+    ]
+    sample = ChatTokenizer(tok)(Conversation("k", messages))
+    runs = masked_runs(tok, sample)
+    assert runs == expected("kimi", messages)
+    assert "letters" not in tok.decode(sample.input_ids)  # the earlier turn's reasoning is not in the text at all
+    assert runs[0].startswith("<think></think>") and runs[1].startswith("<think>use the tool</think>")
+
+
+def test_truncate_and_drop_are_counted(make_tokenizer):
+    tok = make_tokenizer("llama3")
+    conv = Conversation("long", MULTI)
+    full = ChatTokenizer(tok)(conv)
+    report = SkipReport(read=2)
+    cut = ChatTokenizer(tok, max_length=len(full.input_ids) - 3, overflow="truncate")
+    kept = cut.fit(full, report)
+    assert len(kept.input_ids) == len(full.input_ids) - 3 and kept.loss_mask == full.loss_mask[:-3]
+    assert report.truncated == 1
+    dropper = ChatTokenizer(tok, max_length=len(full.input_ids) - 3, overflow="drop")
+    assert dropper.fit(full, report) is None
+    assert report.skipped["too_long"] == 1 and report.kept == 1
+    # Truncated to before the first assistant token: no loss left, dropped and counted.
+    tiny = ChatTokenizer(tok, max_length=8, overflow="truncate")
+    assert tiny.fit(full, report) is None and report.skipped["no_loss_tokens"] == 1
+
+
+def test_template_that_rewrites_content_is_a_named_error(make_tokenizer, tmp_path):
+    tok = make_tokenizer("llama3")
+    tok = copy.deepcopy(tok)
+    tok.chat_template = tok.chat_template.replace("{{ m.content | trim }}", "{{ m.content | upper }}")
+    with pytest.raises(MalformedSample, match="sample bad: chat template: message 1: the assistant content"):
+        ChatTokenizer(tok)(Conversation("bad", MULTI[1:3]))

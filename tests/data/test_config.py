@@ -1,0 +1,54 @@
+import subprocess
+import sys
+
+import pytest
+
+from data.config import ConfigError, load_config
+
+YAML = """
+run_dir: runs/x
+target: {path: /models/t}
+data:
+  inputs: [a.jsonl]
+  max_length: 512
+"""
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text(YAML)
+    return p
+
+
+def test_yaml_and_overrides(cfg_file):
+    cfg = load_config(cfg_file, ["--data.max_length", "1024", "--target.aux_layer_ids=[2, 30, 58]",
+                                 "--data.regenerate.enabled", "true", "--run_dir", "123"])
+    assert cfg.data.max_length == 1024 and cfg.target.aux_layer_ids == [2, 30, 58]
+    assert cfg.data.regenerate.enabled is True and cfg.run_dir == "123"
+    assert cfg.data.overflow == "truncate"  # default kept
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data.max_lenght", "5"], "data.max_lenght: unknown key"),
+    (["--data.max_length", "many"], "data.max_length: Input should be a valid integer"),
+    (["--data.overflow", "wrap"], "data.overflow: Input should be 'truncate' or 'drop'"),
+    (["--data.max_length", "4"], "data.max_length: Input should be greater than or equal to 8"),
+    (["--bogus.key", "1"], "bogus: unknown key"),
+])
+def test_errors_name_the_key(cfg_file, args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(cfg_file, args)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(YAML.replace("max_length: 512", "max_length: 512\n  shuffle: true"))
+    with pytest.raises(ConfigError, match="data.shuffle: unknown key"):
+        load_config(p)
+
+
+def test_entry_point_prints_resolved_config_and_rejects_bad_keys(cfg_file):
+    out = subprocess.run([sys.executable, "-m", "data", "--config", str(cfg_file), "--data.nope", "1"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "data.nope: unknown key" in out.stderr

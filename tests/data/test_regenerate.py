@@ -1,0 +1,64 @@
+"""Regeneration against a real HTTP server running a real (tiny) model, and against local generate."""
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data.config import RegenerateConfig
+from data.conversations import Conversation
+from data.regenerate import LocalGenerator, OpenAIChatGenerator, regenerate
+from tests.openai_server import ChatServer
+
+
+def convs(n, poison=()):
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"What is {i} plus {i}?" + (" POISON" if i in poison else "")},
+                {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": "Count from 1 to 3."},
+                {"role": "assistant", "content": "old answer"}]
+        out.append(Conversation(f"c{i}", msgs))
+    out.append(Conversation("tool", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                     {"role": "tool", "content": "z"}, {"role": "assistant", "content": "w"}]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+
+
+def test_openai_endpoint_retries_counts_and_resumes(model_and_tok, tiny_target, tmp_path):
+    model, tok = model_and_tok
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=6, concurrency=4, max_retries=3)
+    out = tmp_path / "regen.jsonl"
+    with ChatServer(model, tok, fail_first=2) as server:
+        cfg.endpoint = server.url
+        report = regenerate(convs(6, poison={2, 4}), OpenAIChatGenerator(cfg, sleep=lambda s: None), out, cfg)
+    assert report["input"] == 7 and report["succeeded"] == 4 and report["errors"] == 2 and report["skipped"] == 1
+    assert report["skipped_reasons"] == {"unsupported_role:tool": 1}
+    assert any("HTTP 400" in e for e in report["error_examples"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c0", "c1", "c3", "c5"]  # input order
+    local = LocalGenerator(str(tiny_target), cfg)
+    for row in rows:
+        assistant = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert len(assistant) == 2 and all(m["content"] != "old answer" for m in assistant)
+        # The server's answer is the model's own greedy answer to the same history.
+        assert assistant[0]["content"] == local(row["messages"][:1])["content"]
+    assert json.loads((tmp_path / "regen.jsonl.report.json").read_text()) == report
+
+    # Re-run with the poison gone: done conversations are resumed, the failed ones retried.
+    with ChatServer(model, tok) as server:
+        cfg.endpoint = server.url
+        again = regenerate(convs(6), OpenAIChatGenerator(cfg), out, cfg)
+        assert server.requests == 2 * 2  # two conversations x two assistant turns
+    assert again["resumed"] == 4 and again["succeeded"] == 6 and again["errors"] == 0
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"c{i}" for i in range(6)]
+
+
+def test_unreachable_endpoint_is_an_error_per_conversation(tmp_path):
+    cfg = RegenerateConfig(endpoint="http://127.0.0.1:9/v1", max_retries=1, timeout_s=2)
+    report = regenerate(convs(2), OpenAIChatGenerator(cfg, sleep=lambda s: None), tmp_path / "o.jsonl", cfg)
+    assert report["errors"] == 2 and report["succeeded"] == 0 and report["skipped"] == 1
+    assert "ConnectionError" in report["error_examples"][0]

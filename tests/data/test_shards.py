@@ -1,0 +1,158 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import datasets
+import pytest
+import torch
+
+from data.shards import MANIFEST, ShardDataset, ShardError, ShardMeta, ShardReader, ShardWriter, write_manifest
+
+H = 16
+LAYERS = [1, 3, 5]
+
+
+def meta(**kw) -> ShardMeta:
+    base = dict(kind="features", target_id="tiny", target_config_hash="abc", aux_layer_ids=LAYERS, hidden_size=H,
+                dtype="bfloat16", final_hidden="post_norm")
+    return ShardMeta(**(base | kw))
+
+
+def make_dataset(directory, n_shards=2, rows=7, dtype=torch.bfloat16, seed=0, **meta_kw):
+    g = torch.Generator().manual_seed(seed)
+    m = meta(dtype=str(dtype).split(".")[1], **meta_kw)
+    directory.mkdir(parents=True, exist_ok=True)
+    samples, infos = [], []
+    for s in range(n_shards):
+        with ShardWriter(directory / f"shard-{s:05d}.arrow", m, batch_bytes=2000) as w:
+            for r in range(rows):
+                T = 3 + (s * rows + r) % 11
+                ids = torch.randint(0, 1000, (T,), generator=g)
+                mask = torch.randint(0, 2, (T,), generator=g)
+                aux = torch.randn(T, 3 * H, generator=g).to(dtype)
+                fin = torch.randn(T, H, generator=g).to(dtype)
+                w.write(f"s{s}-{r}", ids.tolist(), mask.tolist(), aux, fin)
+                samples.append((f"s{s}-{r}", ids, mask, aux, fin))
+            infos.append(w.close())
+    write_manifest(directory, m, infos)
+    return samples
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    samples = make_dataset(tmp_path / "ds", dtype=dtype)
+    ds = ShardDataset(tmp_path / "ds", verify=True)
+    assert len(ds) == len(samples) == 14
+    for i in [13, 0, 7, 3]:  # random access
+        got, (sid, ids, mask, aux, fin) = ds[i], samples[i]
+        assert got.sample_id == sid
+        assert torch.equal(got.input_ids.long(), ids) and torch.equal(got.loss_mask.long(), mask)
+        assert got.aux_hidden.dtype == dtype and torch.equal(got.aux_hidden.view(torch.uint8), aux.view(torch.uint8))
+        assert torch.equal(got.final_hidden.view(torch.uint8), fin.view(torch.uint8))
+    assert ds.lengths().tolist() == [len(s[1]) for s in samples]
+
+
+def test_reads_are_views_of_the_memory_map(tmp_path):
+    make_dataset(tmp_path / "ds", n_shards=1)
+    reader = ShardReader(tmp_path / "ds" / "shard-00000.arrow")
+    sample = reader[5]
+    buffers = [b.column("aux_hidden").buffers()[2] for b in reader._batches]
+    assert any(buf.address <= sample.aux_hidden.data_ptr() < buf.address + buf.size for buf in buffers)
+    assert not any(buf.is_mutable for buf in buffers)  # mapped read-only from the file, not copied to the heap
+
+
+def test_datasets_opens_shards(tmp_path):
+    samples = make_dataset(tmp_path / "ds", n_shards=1)
+    ds = datasets.Dataset.from_file(str(tmp_path / "ds" / "shard-00000.arrow"))
+    assert ds.num_rows == 7 and ds[2]["sample_id"] == samples[2][0]
+    assert ds[2]["input_ids"] == samples[2][1].tolist()
+    raw = torch.frombuffer(bytearray(ds[2]["aux_hidden"]), dtype=torch.bfloat16).view(-1, 3 * H)
+    assert torch.equal(raw, samples[2][3])
+
+
+@pytest.mark.parametrize("keep_fraction", [0.1, 0.5, 0.9, 0.999])
+def test_truncated_shard_is_named(tmp_path, keep_fraction):
+    make_dataset(tmp_path / "ds", n_shards=1)
+    path = tmp_path / "ds" / "shard-00000.arrow"
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep_fraction)])
+    with pytest.raises(ShardError, match="shard-00000.arrow: truncated shard"):
+        ShardReader(path)
+    with pytest.raises(ShardError, match="shard-00000.arrow"):
+        ShardDataset(tmp_path / "ds")
+
+
+def test_flipped_byte_fails_checksum(tmp_path):
+    make_dataset(tmp_path / "ds", n_shards=2)
+    path = tmp_path / "ds" / "shard-00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ShardDataset(tmp_path / "ds")  # size and structure still look fine...
+    with pytest.raises(ShardError, match="shard-00001.arrow: checksum mismatch"):
+        ShardDataset(tmp_path / "ds", verify=True)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("aux_layer_ids", [2, 30, 58], "aux_layer_ids is \\[2, 30, 58\\], but the dataset has \\[1, 3, 5\\]"),
+    ("target_config_hash", "other", "target_config_hash is 'other'"),
+    ("schema_version", 99, "schema version 99"),
+])
+def test_mismatched_shard_is_named(tmp_path, field, value, message):
+    make_dataset(tmp_path / "ds", n_shards=2)
+    make_dataset(tmp_path / "other", n_shards=1, **{field: value})
+    # Swap a foreign shard into the dataset under the name the manifest expects.
+    manifest = json.loads((tmp_path / "ds" / MANIFEST).read_text())
+    os.replace(tmp_path / "other" / "shard-00000.arrow", tmp_path / "ds" / "shard-00001.arrow")
+    other = json.loads((tmp_path / "other" / MANIFEST).read_text())["shards"][0]
+    manifest["shards"][1] |= {"bytes": other["bytes"], "rows": other["rows"]}
+    (tmp_path / "ds" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=f"shard-00001.arrow: {message}" if field == "schema_version" else message):
+        ShardDataset(tmp_path / "ds")
+
+
+def test_two_datasets_from_different_targets_are_refused(tmp_path):
+    make_dataset(tmp_path / "a")
+    make_dataset(tmp_path / "b", target_config_hash="zzz")
+    with pytest.raises(ShardError, match=f"{tmp_path / 'b' / MANIFEST}: target_config_hash"):
+        ShardDataset(tmp_path / "a", tmp_path / "b")
+
+
+def test_wrong_tensor_shape_is_refused(tmp_path):
+    with pytest.raises(ShardError, match="sample bad: aux_hidden"), ShardWriter(tmp_path / "x.arrow", meta()) as w:
+        w.write("bad", [1, 2], [1, 1], torch.zeros(2, H, dtype=torch.bfloat16), torch.zeros(2, H, dtype=torch.bfloat16))
+    assert not list(tmp_path.iterdir())  # the aborted writer left nothing behind
+
+
+def test_killed_writer_leaves_no_complete_looking_shard(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from data.shards import ShardMeta, ShardWriter
+        m = ShardMeta(kind="features", aux_layer_ids=[1, 3, 5], hidden_size={H}, dtype="bfloat16")
+        w = ShardWriter({str(tmp_path / 'shard-00000.arrow')!r}, m, batch_bytes=1000)
+        for i in range(50):
+            w.write(str(i), [1] * 8, [1] * 8, torch.zeros(8, {3 * H}, dtype=torch.bfloat16),
+                    torch.zeros(8, {H}, dtype=torch.bfloat16))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd())
+    assert proc.returncode == -signal.SIGKILL
+    assert not (tmp_path / "shard-00000.arrow").exists()
+    assert [p.name.startswith(".shard-00000.arrow.tmp-") for p in tmp_path.iterdir()] == [True]
+    with pytest.raises(ShardError, match="no manifest"):
+        ShardDataset(tmp_path)
+
+
+def test_bytes_per_token_for_a_4096_hidden_target(tmp_path):
+    m = meta(hidden_size=4096)
+    with ShardWriter(tmp_path / "s.arrow", m) as w:
+        for i in range(4):
+            w.write(str(i), [1] * 256, [1] * 256, torch.zeros(256, 3 * 4096, dtype=torch.bfloat16),
+                    torch.zeros(256, 4096, dtype=torch.bfloat16))
+        info = w.close()
+    per_token = info["bytes"] / info["tokens"]
+    # 3 aux layers + final state, bf16: 4 * 4096 * 2 = 32768 B, plus 4 B id + 1 B mask, plus framing.
+    assert 32773 <= per_token < 32773 * 1.01
