@@ -56,11 +56,22 @@ class DataConfig(Section):
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
 
 
+class ExtractConfig(Section):
+    backend: Literal["hf"] = Field("hf", description="hf: transformers target (CPU or GPU)")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="target compute and storage dtype; auto = bfloat16 on GPU, float32 on CPU")
+    device: str = Field("auto", description="auto = cuda:LOCAL_RANK when a GPU is present, else cpu")
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward (batch x longest sample)")
+    samples_per_shard: int = Field(256, ge=1, description="samples per output shard (the unit of resume)")
+    verify_resume: bool = Field(True, description="re-hash completed shards before skipping them")
+
+
 class EyrieConfig(Section):
     run_dir: str = Field("runs/default", description="every stage writes below this directory")
     seed: int = 0
     target: TargetConfig
     data: DataConfig
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
 
     def section_hash(self, *names: str) -> str:
         """Stable hash of some sections, so a stage can tell whether its inputs changed."""

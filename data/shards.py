@@ -226,6 +226,9 @@ class ShardReader:
         if self.meta.schema_version != SCHEMA_VERSION:
             raise ShardError(f"{self.path}: schema version {self.meta.schema_version}, this reader knows "
                              f"{SCHEMA_VERSION}")
+        if self.meta.aux_encoding != "raw" or self.meta.dtype not in DTYPES:
+            raise ShardError(f"{self.path}: encoding {self.meta.aux_encoding}/{self.meta.dtype} is not supported by "
+                             "this reader")
         self._dtype = DTYPES[self.meta.dtype]
         self._starts = np.cumsum([0] + [b.num_rows for b in self._batches])
         self._views = [self._batch_views(b) for b in self._batches]

@@ -1,0 +1,10 @@
+"""`torchrun --nproc-per-node N -m extract --config run.yaml` (or plain `python -m extract ...`).
+
+Reads RUN_DIR/data/samples, writes RUN_DIR/features (see extract/job.py)."""
+from data.config import cli_config
+
+from .job import run
+
+if __name__ == "__main__":
+    cfg, _ = cli_config("Eyrie extraction: target hidden states into Arrow shards.")
+    run(cfg)

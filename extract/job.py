@@ -1,0 +1,233 @@
+"""The extraction job: rank slice → backend → shards, resumable, with rank 0 writing the manifest.
+
+The prepared samples are cut into chunks of `extract.samples_per_shard` consecutive samples; chunk c
+becomes shard c and belongs to rank c % world_size. A chunk is done when its shard and its record
+(`.shard-c.json`, written after the shard is renamed into place) agree and, with `verify_resume`, the
+checksum matches. So a killed job re-run redoes exactly the unfinished chunks, and the dataset does not
+depend on how many ranks produced it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from data.config import EyrieConfig
+from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json, file_checksum,
+                         write_manifest)
+from data.target import load_target_info
+
+from .hf import FINAL_HIDDEN, HFBackend
+
+
+def features_dir(cfg: EyrieConfig) -> Path:
+    return Path(cfg.run_dir) / "features"
+
+
+def _record_path(out: Path, chunk: int) -> Path:
+    return out / f".shard-{chunk:05d}.json"
+
+
+def chunk_done(out: Path, chunk: int, config_hash: str, verify: bool) -> dict | None:
+    try:
+        record = json.loads(_record_path(out, chunk).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    shard = out / record["shard"]["file"]
+    if record.get("config_hash") != config_hash or not shard.exists() \
+            or shard.stat().st_size != record["shard"]["bytes"]:
+        return None
+    if verify and file_checksum(shard) != record["shard"]["xxh3_128"]:
+        print(f"[extract] {shard}: checksum mismatch, extracting it again", flush=True)
+        return None
+    return record
+
+
+def _batches(samples: ShardDataset, indices: list[int], max_tokens: int) -> list[list[int]]:
+    """Length-sorted batches whose padded size (batch x longest) stays within max_tokens."""
+    order = sorted(indices, key=lambda i: (len(samples[i].input_ids), i))
+    batches, cur = [], []
+    for i in order:
+        longest = len(samples[i].input_ids)  # ascending, so the newest is the longest
+        if cur and (len(cur) + 1) * longest > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + ([cur] if cur else [])
+
+
+class AsyncShardWriter:
+    """Writes on a thread so the next forward overlaps the device→host copy and the disk write."""
+
+    def __init__(self, depth: int = 4):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)  # bounds host memory held by pending batches
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                writer, rows, event = item
+                if event is not None:
+                    event.synchronize()
+                if self.error is None:
+                    for row in rows:
+                        writer.write(*row)
+            except BaseException as e:  # surfaced to the main thread by put()/flush()
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, writer: ShardWriter, rows: list[tuple], event) -> None:
+        self._raise()
+        self.q.put((writer, rows, event))
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is written."""
+        self.q.join()
+        self._raise()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def extract_chunk(backend: HFBackend, samples: ShardDataset, indices: list[int], writer: ShardWriter,
+                  io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
+    for batch in _batches(samples, indices, max_tokens):
+        rows = [samples[i] for i in batch]
+        lengths = [len(r.input_ids) for r in rows]
+        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, r in enumerate(rows):
+            ids[b, :lengths[b]] = r.input_ids.long()
+            mask[b, :lengths[b]] = 1
+        aux, final = backend.capture(ids, mask)
+        valid = mask.to(aux.device).bool()
+        finite = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1) | ~valid).all(-1).tolist()
+        aux_h, final_h = _to_host(aux), _to_host(final)
+        event = None
+        if aux.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        out = []
+        for b, r in enumerate(rows):
+            if not finite[b]:
+                skipped["non_finite"] += 1
+                continue
+            n = lengths[b]
+            out.append((r.sample_id, r.input_ids.numpy(), r.loss_mask.numpy(), aux_h[b, :n], final_h[b, :n]))
+        io.put(writer, out, event)
+        bar.update(sum(lengths))
+
+
+def run(cfg: EyrieConfig) -> dict | None:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(hours=48))  # only barriers; any device
+    ec = cfg.extract
+    samples = ShardDataset(Path(cfg.run_dir) / "data" / "samples")
+    info = load_target_info(cfg.target.path)
+    layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
+    cuda = torch.cuda.is_available() and ec.device != "cpu"
+    device = torch.device(f"cuda:{local_rank}" if cuda and ec.device == "auto" else ("cpu" if not cuda else ec.device))
+    dtype_name = ec.dtype if ec.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
+                     aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
+                     final_hidden=FINAL_HIDDEN, extra={"backend": ec.backend})
+    # What the shards' content depends on; a completed shard from another config is extracted again.
+    config_hash = f"{cfg.section_hash('target', 'data')}-{ec.backend}-{dtype_name}-{ec.samples_per_shard}"
+    out = features_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+
+    S = ec.samples_per_shard
+    n_chunks = -(-len(samples) // S)
+    mine = [c for c in range(n_chunks) if c % world == rank]
+    todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
+    print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
+          f"device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)
+    stats = {"rank": rank, "samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "skipped": Counter()}
+    if todo:
+        backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
+                            cfg.target.trust_remote_code)
+        lengths = samples.lengths()
+        total = int(sum(lengths[c * S:(c + 1) * S].sum() for c in todo))
+        bar = tqdm(total=total, desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
+        io = AsyncShardWriter()
+        start = time.time()
+        for c in todo:
+            skipped: Counter = Counter()
+            writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
+            try:
+                extract_chunk(backend, samples, list(range(c * S, min((c + 1) * S, len(samples)))), writer, io,
+                              ec.max_batch_tokens, skipped, bar)
+                io.flush()  # this shard's rows are all written before it is sealed
+                shard = writer.close()
+            except BaseException:
+                writer.abort()
+                io.close()
+                raise
+            atomic_write_json(_record_path(out, c), {"shard": shard, "skipped": dict(skipped), "rank": rank,
+                                                     "config_hash": config_hash})
+            stats["samples"] += shard["rows"]
+            stats["tokens"] += shard["tokens"]
+            stats["bytes"] += shard["bytes"]
+            stats["skipped"] += skipped
+        io.close()
+        bar.close()
+        stats["seconds"] = round(time.time() - start, 2)
+    stats["tokens_per_s"] = round(stats["tokens"] / stats["seconds"], 1) if stats["seconds"] else None
+    stats["skipped"] = dict(stats["skipped"])
+    print(f"[extract] rank {rank}: {json.dumps(stats)}", flush=True)
+    atomic_write_json(out / f".rank-{rank}.json", stats)
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        return None
+    return _merge(cfg, out, meta, n_chunks, world, config_hash)
+
+
+def _merge(cfg: EyrieConfig, out: Path, meta: ShardMeta, n_chunks: int, world: int, config_hash: str) -> dict:
+    records = []
+    for c in range(n_chunks):
+        record = chunk_done(out, c, config_hash, verify=False)
+        if record is None:
+            raise RuntimeError(f"{out}: shard {c} is missing after all ranks finished")
+        records.append(record)
+    skipped: Counter = Counter()
+    for r in records:
+        skipped.update(r["skipped"])
+    ranks = [json.loads((out / f".rank-{r}.json").read_text()) for r in range(world)]
+    manifest = write_manifest(out, meta, [r["shard"] for r in records], skipped=dict(skipped), ranks=ranks,
+                              config=cfg.model_dump(mode="json"), config_hash=config_hash)
+    t = manifest["totals"]
+    print(f"[extract] {t['rows']} samples, {t['tokens']} tokens, {t['bytes'] / 1e6:.1f} MB, "
+          f"{t['bytes_per_token']:.0f} bytes/token, skipped {dict(skipped) or 'none'} → {out}", flush=True)
+    return manifest

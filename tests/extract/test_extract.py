@@ -1,0 +1,164 @@
+"""`torchrun -m extract` on tiny Llama and DeepseekV3 (MLA + MoE) targets built here, on CPU."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data.shards import MANIFEST, ShardDataset, ShardError
+from launch.demo_target import make_conversations
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = [0, 1, 2]
+
+
+def build_deepseek(out: Path, tok) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
+                           q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                           max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def prepared(request, tiny_target, make_tokenizer, tmp_path_factory):
+    """A run dir whose data stage is done, for each target architecture."""
+    base = tmp_path_factory.mktemp(request.param)
+    target = tiny_target
+    if request.param == "deepseek_v3":
+        target = base / "target"
+        build_deepseek(target, make_tokenizer("llama3"))
+    convs = base / "c.jsonl"
+    convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(48, seed=5)))
+    cfg = {"run_dir": str(base / "run"), "target": {"path": str(target), "aux_layer_ids": LAYERS},
+           "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 64},
+           "extract": {"samples_per_shard": 5}}
+    path = base / "run.yaml"
+    path.write_text(json.dumps(cfg))
+    subprocess.run([sys.executable, "-m", "data", "--config", str(path)], check=True, capture_output=True)
+    return path, base / "run", target
+
+
+def torchrun(config: Path, *overrides: str, nproc: int = 2, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "extract", "--config", str(config), *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kw)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker (workers run in sessions of their own)."""
+    import psutil
+    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in reversed(procs):
+        p.send_signal(signal.SIGKILL)
+    proc.communicate()
+
+
+def snapshot(directory: Path) -> list:
+    ds = ShardDataset(directory, verify=True)
+    return [(s.sample_id, s.input_ids.clone(), s.aux_hidden.clone(), s.final_hidden.clone())
+            for s in (ds[i] for i in range(len(ds)))]
+
+
+def test_two_ranks_match_a_direct_forward_bit_exactly(prepared):
+    config, run, target = prepared
+    out = finish(torchrun(config, "--extract.max_batch_tokens", "1"))  # one sample per forward
+    assert "[extract] rank 1/2" in out and "tokens_per_s" in out
+    manifest = json.loads((run / "features" / MANIFEST).read_text())
+    samples = ShardDataset(run / "data" / "samples")
+    assert manifest["totals"]["rows"] == len(samples) and len(manifest["shards"]) == -(-len(samples) // 5)
+    assert manifest["meta"]["aux_layer_ids"] == LAYERS and manifest["meta"]["final_hidden"] == "post_norm"
+    assert {r["rank"] for r in manifest["ranks"]} == {0, 1} and all(r["samples"] > 0 for r in manifest["ranks"])
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    features = ShardDataset(run / "features")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torchrun runs workers with OMP_NUM_THREADS=1; CPU reductions depend on it
+    try:
+        check_against_direct_forward(model, samples, features)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_against_direct_forward(model, samples, features):
+    by_id = {samples[i].sample_id: samples[i] for i in range(len(samples))}
+    assert sorted(features[i].sample_id for i in range(len(features))) == sorted(by_id)
+    for i in range(0, len(features), 7):
+        f = features[i]
+        assert torch.equal(f.input_ids, by_id[f.sample_id].input_ids)
+        with torch.no_grad():
+            hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
+        expected = torch.cat([hs[k + 1][0] for k in LAYERS], dim=-1)  # SGLang id k = output of layer k
+        assert torch.equal(f.aux_hidden, expected), f.sample_id
+        assert torch.equal(f.final_hidden, hs[-1][0])  # post-norm, as transformers returns the last entry
+
+
+def test_batched_forward_matches_closely(prepared):
+    config, run, target = prepared
+    shutil.rmtree(run / "features", ignore_errors=True)
+    finish(torchrun(config, "--extract.max_batch_tokens", "2048", nproc=1))
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    features = ShardDataset(run / "features")
+    for i in range(0, len(features), 5):
+        f = features[i]
+        with torch.no_grad():
+            hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(f.aux_hidden, torch.cat([hs[k + 1][0] for k in LAYERS], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_kill_and_resume_equals_uninterrupted(prepared, tmp_path):
+    config, run, _ = prepared
+    one_per_shard = ("--extract.max_batch_tokens", "1", "--extract.samples_per_shard", "1")  # many kill points
+    shutil.rmtree(run / "features", ignore_errors=True)
+    finish(torchrun(config, *one_per_shard))
+    reference = snapshot(run / "features")
+    n_shards = len(json.loads((run / "features" / MANIFEST).read_text())["shards"])
+    shutil.rmtree(run / "features")
+
+    proc = torchrun(config, *one_per_shard)
+    deadline = time.time() + 120
+    while len(list((run / "features").glob(".shard-*.json"))) < 3 and time.time() < deadline:
+        time.sleep(0.002)
+    kill_tree(proc)
+    done = len(list((run / "features").glob(".shard-*.json")))
+    assert 0 < done < n_shards, "the kill must land mid-run"
+    assert not (run / "features" / MANIFEST).exists()
+
+    out = finish(torchrun(config, *one_per_shard))
+    assert "already complete" in out
+    resumed = snapshot(run / "features")
+    assert [r[0] for r in resumed] == [r[0] for r in reference]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(resumed, reference) for k in (1, 2, 3))
+    shutil.rmtree(run / "features")
+
+
+def test_truncated_shard_is_detected_and_redone(prepared):
+    config, run, _ = prepared
+    if not (run / "features" / MANIFEST).exists():
+        finish(torchrun(config, "--extract.max_batch_tokens", "1"))
+    reference = snapshot(run / "features")
+    shard = run / "features" / "shard-00002.arrow"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ShardError, match="shard-00002.arrow"):
+        ShardDataset(run / "features")
+    finish(torchrun(config, "--extract.max_batch_tokens", "1"))
+    resumed = snapshot(run / "features")
+    assert [r[0] for r in resumed] == [r[0] for r in reference]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(resumed, reference))
