@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -58,6 +59,7 @@ class DataConfig(Section):
 
 class ExtractConfig(Section):
     backend: Literal["hf"] = Field("hf", description="hf: transformers target (CPU or GPU)")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun ranks the pipeline launches (one per GPU)")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="target compute and storage dtype; auto = bfloat16 on GPU, float32 on CPU")
     device: str = Field("auto", description="auto = cuda:LOCAL_RANK when a GPU is present, else cpu")
@@ -155,5 +157,6 @@ def cli_config(description: str, argv: Sequence[str] | None = None) -> tuple[Eyr
         cfg = load_config(args.config, rest)
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
-    print("resolved config:\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), flush=True)
+    if os.environ.get("RANK", "0") == "0":  # one copy under torchrun / deepspeed
+        print("resolved config:\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), flush=True)
     return cfg, args

@@ -80,7 +80,7 @@ def prepare(cfg: EyrieConfig) -> dict:
         raise RuntimeError(f"no usable samples in {inputs}: {report.summary()}")
     vocab = save_draft_vocab(out / "draft_vocab.safetensors", counter.counts, cfg.data.draft_vocab_size)
     manifest = write_manifest(samples_dir, meta, shards, report=report.to_json(), regenerate=regenerated, vocab=vocab,
-                              config=cfg.model_dump(mode="json"), config_hash=cfg.section_hash("target", "data"),
+                              config=cfg.model_dump(mode="json"),
                               seconds=round(time.time() - start, 2))
     totals = manifest["totals"]
     print(f"data: {report.summary()}")

@@ -1,7 +1,7 @@
 """`python -m launch.pipeline --config run.yaml [--stages data] [--section.key value ...]`
 
 Runs the stages in order as the commands a user could type, printing each one, and skips a stage whose
-output manifest records the same config hash. Stages so far: data (extract, train, export, evaluate
+output manifest records the same config hash. Stages so far: data, extract (train, export, evaluate
 and smoke join as they land). Writes RUN_DIR/report.json.
 """
 from __future__ import annotations
@@ -17,21 +17,29 @@ from pathlib import Path
 from data.config import ConfigError, EyrieConfig, load_config
 from data.shards import ShardError, atomic_write_json, read_manifest
 
-STAGES = ("data",)
+# stage -> (the directory whose manifest marks it complete, the config sections its output depends on)
+STAGES = {
+    "data": ("data/samples", ("target", "data")),
+    "extract": ("features", ("target", "data", "extract")),
+}
 
 
 def stage_done(cfg: EyrieConfig, stage: str) -> dict | None:
     """The stage's manifest if it is complete for this config, else None."""
-    if stage == "data":
-        try:
-            manifest = read_manifest(Path(cfg.run_dir) / "data" / "samples")
-        except ShardError:
-            return None
-        return manifest if manifest.get("config_hash") == cfg.section_hash("target", "data") else None
-    raise ValueError(f"unknown stage {stage!r}")
+    directory, sections = STAGES[stage]
+    try:
+        manifest = read_manifest(Path(cfg.run_dir) / directory)
+    except ShardError:
+        return None
+    current = cfg.model_dump(mode="json")
+    same = all(manifest.get("config", {}).get(s) == current[s] for s in sections)
+    return manifest if same else None
 
 
-def stage_command(stage: str, config: str, overrides: list[str]) -> list[str]:
+def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[str]:
+    if stage == "extract":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]
     return [sys.executable, "-m", stage, "--config", config, *overrides]
 
 
@@ -57,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         if stage_done(cfg, stage):
             print(f"[pipeline] {stage}: complete for this config, skipped", flush=True)
             continue
-        cmd = stage_command(stage, args.config, overrides)
+        cmd = stage_command(cfg, stage, args.config, overrides)
         print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
         start = time.time()
         subprocess.run(cmd, check=True)
@@ -66,6 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
     if manifest:
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
                    "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
+    features = stage_done(cfg, "extract")
+    if features:
+        report["features"] = {"dir": str(Path(cfg.run_dir) / "features"), **features["totals"],
+                              "skipped": features["skipped"],
+                              "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}\n{json.dumps(report, indent=1)}")
     return report

@@ -162,3 +162,21 @@ def test_truncated_shard_is_detected_and_redone(prepared):
     resumed = snapshot(run / "features")
     assert [r[0] for r in resumed] == [r[0] for r in reference]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(resumed, reference))
+
+
+def test_parity_between_fp32_and_bf16_features(prepared, tmp_path):
+    config, run, _ = prepared
+    finish(torchrun(config, "--run_dir", str(run), "--extract.dtype", "float32", nproc=1))
+    shutil.copytree(run / "features", tmp_path / "fp32")
+    shutil.rmtree(run / "features")
+    finish(torchrun(config, "--extract.dtype", "bfloat16", nproc=1))
+    out = subprocess.run([sys.executable, "-m", "extract.parity", str(tmp_path / "fp32"), str(run / "features")],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["samples"] == 48 and result["dtypes"] == ["float32", "bfloat16"]
+    for name, r in result["layers"].items():  # bf16 rounding: close, but not equal
+        assert 0.99 < r["cosine_min"] < 1.0 and 0 < r["max_abs_diff"] < 0.5, (name, r)
+    same = subprocess.run([sys.executable, "-m", "extract.parity", str(tmp_path / "fp32"), str(tmp_path / "fp32")],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert all(r["max_abs_diff"] == 0 for r in json.loads(same.strip().splitlines()[-1])["layers"].values())
+    shutil.rmtree(run / "features")
