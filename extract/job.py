@@ -156,8 +156,10 @@ def run(cfg: EyrieConfig) -> dict | None:
     samples = ShardDataset(Path(cfg.run_dir) / "data" / "samples")
     info = load_target_info(cfg.target.path)
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
-    cuda = torch.cuda.is_available() and ec.device != "cpu"
-    device = torch.device(f"cuda:{local_rank}" if cuda and ec.device == "auto" else ("cpu" if not cuda else ec.device))
+    if ec.device == "auto":
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(ec.device)
     dtype_name = ec.dtype if ec.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
