@@ -52,12 +52,12 @@ def chunk_done(out: Path, chunk: int, config_hash: str, verify: bool) -> dict | 
     return record
 
 
-def _batches(samples: ShardDataset, indices: list[int], max_tokens: int) -> list[list[int]]:
+def _batches(lengths, indices: list[int], max_tokens: int) -> list[list[int]]:
     """Length-sorted batches whose padded size (batch x longest) stays within max_tokens."""
-    order = sorted(indices, key=lambda i: (len(samples[i].input_ids), i))
+    order = sorted(indices, key=lambda i: (int(lengths[i]), i))
     batches, cur = [], []
     for i in order:
-        longest = len(samples[i].input_ids)  # ascending, so the newest is the longest
+        longest = int(lengths[i])  # ascending, so the newest is the longest
         if cur and (len(cur) + 1) * longest > max_tokens:
             batches.append(cur)
             cur = []
@@ -118,9 +118,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def extract_chunk(backend: HFBackend, samples: ShardDataset, indices: list[int], writer: ShardWriter,
+def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
                   io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
-    for batch in _batches(samples, indices, max_tokens):
+    for batch in _batches(lengths, indices, max_tokens):
         rows = [samples[i] for i in batch]
         lengths = [len(r.input_ids) for r in rows]
         ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
@@ -188,7 +188,7 @@ def run(cfg: EyrieConfig) -> dict | None:
             skipped: Counter = Counter()
             writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
             try:
-                extract_chunk(backend, samples, list(range(c * S, min((c + 1) * S, len(samples)))), writer, io,
+                extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer, io,
                               ec.max_batch_tokens, skipped, bar)
                 io.flush()  # this shard's rows are all written before it is sealed
                 shard = writer.close()
