@@ -22,6 +22,11 @@ def data_dir(cfg: EyrieConfig) -> Path:
     return Path(cfg.run_dir) / "data"
 
 
+def samples_dir(cfg: EyrieConfig) -> Path:
+    """Where the prepared token shards live (read by extract/)."""
+    return data_dir(cfg) / "samples"
+
+
 def _regenerate(cfg: EyrieConfig, out: Path) -> dict:
     """Regenerate into out/regenerated.jsonl; returns the report (source rows and regeneration outcomes)."""
     from .regenerate import LocalGenerator, OpenAIChatGenerator, regenerate
@@ -43,8 +48,8 @@ def prepare(cfg: EyrieConfig) -> dict:
 
     start = time.time()
     out = data_dir(cfg)
-    samples_dir = out / "samples"
-    samples_dir.mkdir(parents=True, exist_ok=True)
+    samples = samples_dir(cfg)
+    samples.mkdir(parents=True, exist_ok=True)
     info = load_target_info(cfg.target.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
     chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow)
@@ -68,7 +73,7 @@ def prepare(cfg: EyrieConfig) -> dict:
         if sample is None:
             continue
         if writer is None:
-            writer = ShardWriter(samples_dir / f"shard-{len(shards):05d}.arrow", meta)
+            writer = ShardWriter(samples / f"shard-{len(shards):05d}.arrow", meta)
         writer.write(sample.id, sample.input_ids, sample.loss_mask)
         counter.add(sample.input_ids, sample.loss_mask)
         if writer.rows >= cfg.data.samples_per_shard:
@@ -79,7 +84,7 @@ def prepare(cfg: EyrieConfig) -> dict:
     if not shards:
         raise RuntimeError(f"no usable samples in {inputs}: {report.summary()}")
     vocab = save_draft_vocab(out / "draft_vocab.safetensors", counter.counts, cfg.data.draft_vocab_size)
-    manifest = write_manifest(samples_dir, meta, shards, report=report.to_json(), regenerate=regenerated, vocab=vocab,
+    manifest = write_manifest(samples, meta, shards, report=report.to_json(), regenerate=regenerated, vocab=vocab,
                               config=cfg.model_dump(mode="json"),
                               seconds=round(time.time() - start, 2))
     totals = manifest["totals"]

@@ -13,8 +13,6 @@ FINAL_HIDDEN = "post_norm"
 
 
 class HFBackend:
-    name = "hf"
-
     def __init__(self, target_path: str, aux_layer_ids: list[int], dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM

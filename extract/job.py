@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data.config import EyrieConfig
+from data.prepare import samples_dir
 from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json, file_checksum,
                          write_manifest)
 from data.target import load_target_info
@@ -122,12 +123,12 @@ def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: l
                   io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
     for batch in _batches(lengths, indices, max_tokens):
         rows = [samples[i] for i in batch]
-        lengths = [len(r.input_ids) for r in rows]
-        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        sizes = [int(lengths[i]) for i in batch]
+        ids = torch.zeros(len(rows), max(sizes), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, r in enumerate(rows):
-            ids[b, :lengths[b]] = r.input_ids.long()
-            mask[b, :lengths[b]] = 1
+            ids[b, :sizes[b]] = r.input_ids.long()
+            mask[b, :sizes[b]] = 1
         aux, final = backend.capture(ids, mask)
         valid = mask.to(aux.device).bool()
         finite = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1) | ~valid).all(-1).tolist()
@@ -141,10 +142,10 @@ def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: l
             if not finite[b]:
                 skipped["non_finite"] += 1
                 continue
-            n = lengths[b]
+            n = sizes[b]
             out.append((r.sample_id, r.input_ids.numpy(), r.loss_mask.numpy(), aux_h[b, :n], final_h[b, :n]))
         io.put(writer, out, event)
-        bar.update(sum(lengths))
+        bar.update(sum(sizes))
 
 
 def run(cfg: EyrieConfig) -> dict | None:
@@ -153,7 +154,7 @@ def run(cfg: EyrieConfig) -> dict | None:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(hours=48))  # only barriers; any device
     ec = cfg.extract
-    samples = ShardDataset(Path(cfg.run_dir) / "data" / "samples")
+    samples = ShardDataset(samples_dir(cfg))
     info = load_target_info(cfg.target.path)
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
     if ec.device == "auto":

@@ -1,7 +1,7 @@
 """`python -m launch.pipeline --config run.yaml [--stages data] [--section.key value ...]`
 
 Runs the stages in order as the commands a user could type, printing each one, and skips a stage whose
-output manifest records the same config hash. Stages so far: data, extract (train, export, evaluate
+output manifest records the same config sections as the current config. Stages so far: data, extract (train, export, evaluate
 and smoke join as they land). Writes RUN_DIR/report.json.
 """
 from __future__ import annotations
@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 
 from data.config import ConfigError, EyrieConfig, load_config
+from data.prepare import samples_dir
 from data.shards import ShardError, atomic_write_json, read_manifest
+from extract.job import features_dir
 
 # stage -> (the directory whose manifest marks it complete, the config sections its output depends on)
 STAGES = {
-    "data": ("data/samples", ("target", "data")),
-    "extract": ("features", ("target", "data", "extract")),
+    "data": (samples_dir, ("target", "data")),
+    "extract": (features_dir, ("target", "data", "extract")),
 }
 
 
@@ -28,7 +30,7 @@ def stage_done(cfg: EyrieConfig, stage: str) -> dict | None:
     """The stage's manifest if it is complete for this config, else None."""
     directory, sections = STAGES[stage]
     try:
-        manifest = read_manifest(Path(cfg.run_dir) / directory)
+        manifest = read_manifest(directory(cfg))
     except ShardError:
         return None
     current = cfg.model_dump(mode="json")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
     features = stage_done(cfg, "extract")
     if features:
-        report["features"] = {"dir": str(Path(cfg.run_dir) / "features"), **features["totals"],
+        report["features"] = {"dir": str(features_dir(cfg)), **features["totals"],
                               "skipped": features["skipped"],
                               "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
     atomic_write_json(report_path, report)
