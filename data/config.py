@@ -68,12 +68,58 @@ class ExtractConfig(Section):
     verify_resume: bool = Field(True, description="re-hash completed shards before skipping them")
 
 
+class DrafterConfig(Section):
+    """The drafter's shape; every unset field defaults from the target's config."""
+    hidden_size: int | None = Field(None, ge=8)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=2)
+    intermediate_size: int | None = Field(None, ge=1)
+    rms_norm_eps: float | None = Field(None, gt=0)
+
+
+class OptimConfig(Section):
+    """What the generated DeepSpeed config is made of. With `--deepspeed_config FILE` that file is the only
+    source of these values, and setting any of them here too is an error (one source of truth)."""
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(50, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    clip_grad: float = Field(0.5, gt=0, description="gradient norm clipping")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+
+
+class TrainConfig(Section):
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
+    ttt_decay: float = Field(0.8, gt=0, description="loss weight of TTT step i is ttt_decay**i")
+    max_batch_tokens: int = Field(8192, ge=8, description="padded tokens per micro-batch per rank")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs over the data")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
+    attention: Literal["auto", "flex", "blockwise"] = Field(
+        "auto", description="TTT attention: flex (CUDA, fused) or blockwise (any device); auto picks")
+    activation_checkpointing: bool = Field(False, description="recompute the drafter layer in backward")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="samples held out for eval (by sample id)")
+    eval_every: int = Field(200, ge=1, description="optimizer steps between evals (and at the end)")
+    save_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept besides the best")
+    log_every: int = Field(10, ge=1)
+    warm_start: str | None = Field(None, description="exported (SGLang-format) drafter dir to start from")
+
+
 class EyrieConfig(Section):
     run_dir: str = Field("runs/default", description="every stage writes below this directory")
     seed: int = 0
     target: TargetConfig
     data: DataConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
     def section_hash(self, *names: str) -> str:
         """Stable hash of some sections, so a stage can tell whether its inputs changed."""
@@ -147,11 +193,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Eyrie
         raise ConfigError(_format_errors(e, str(path or "overrides"))) from None
 
 
-def cli_config(description: str, argv: Sequence[str] | None = None) -> tuple[EyrieConfig, argparse.Namespace]:
-    """Entry-point helper: `--config FILE` plus overrides; prints the resolved config."""
+def cli_config(description: str, argv: Sequence[str] | None = None,
+               arguments: dict[str, dict] | None = None) -> tuple[EyrieConfig, argparse.Namespace]:
+    """Entry-point helper: `--config FILE` plus overrides; prints the resolved config.
+
+    `arguments` adds entry-point flags that are not config keys (name -> argparse kwargs)."""
     parser = argparse.ArgumentParser(description=description,
                                      epilog="Any config key can be overridden as --section.key value.")
     parser.add_argument("--config", required=True, help="YAML config file")
+    for name, kwargs in (arguments or {}).items():
+        parser.add_argument(name, **kwargs)
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, rest)

@@ -84,7 +84,7 @@ def build_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
 
 
 def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
-                     seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4):
+                     seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, initializer_range: float = 0.02):
     """A randomly initialised Llama saved with safetensors (the demo trains it before use)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -93,7 +93,7 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, lay
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                          max_position_embeddings=1024, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, initializer_range=initializer_range)
     model = LlamaForCausalLM(config)
     model.save_pretrained(str(out_dir))
     return model

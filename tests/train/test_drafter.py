@@ -1,0 +1,195 @@
+"""The drafter against an independent EAGLE-3 reference, the teacher, the loader, and a one-batch overfit."""
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from data.config import DrafterConfig, load_config
+from data.prepare import data_dir
+from data.target import load_target_info
+from data.vocab import load_draft_vocab
+from extract.job import features_dir
+from train import ttt
+from train.drafter import Eagle3Drafter, drafter_config
+from train.loader import FeatureData, held_out
+from train.teacher import Teacher, load_target_tensors
+
+
+def reference_unroll(w: dict, cfg, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """EAGLE-3 written out for one sequence, from the weights alone: full score matrices, explicit loops."""
+    T = len(input_ids)
+    H, Hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [T, heads, d], rotate-half convention, theta from the config
+        theta = cfg.rope_parameters["rope_theta"]
+        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = pos[:, None].double() * inv[None]
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float(), torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    h = aux @ w["fc.weight"].T
+    keys, values, logits = [], [], []
+    for j in range(steps):
+        tokens = torch.zeros(T, dtype=torch.long)
+        tokens[:T - j - 1] = input_ids[j + 1:]
+        x = torch.cat([rms(w["embed_tokens.weight"][tokens], w["midlayer.input_layernorm.weight"]),
+                       rms(h, w["midlayer.hidden_norm.weight"])], -1)
+        pos = torch.arange(T) + j
+        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, d), pos)
+        keys.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, Hkv, d), pos))
+        values.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, Hkv, d))
+        heads = []
+        for hq in range(H):
+            g = hq // (H // Hkv)
+            causal = (q[:, hq] @ keys[0][:, g].T) / math.sqrt(d)
+            causal = causal.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            own = [(q[:, hq] * keys[i][:, g]).sum(-1, keepdim=True) / math.sqrt(d) for i in range(1, j + 1)]
+            p = torch.softmax(torch.cat([causal, *own], -1), -1)
+            out = p[:, :T] @ values[0][:, g]
+            for i in range(1, j + 1):
+                out = out + p[:, T + i - 1:T + i] * values[i][:, g]
+            heads.append(out)
+        r = h + torch.cat(heads, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        y = rms(r, w["midlayer.post_attention_layernorm.weight"])
+        m = r + (F.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T)) \
+            @ w["midlayer.mlp.down_proj.weight"].T
+        logits.append(rms(m, w["norm.weight"]) @ w["lm_head.weight"].T)
+        h = m
+    return logits
+
+
+@pytest.fixture(scope="module")
+def drafter(features_run):
+    cfg = load_config(features_run[0])
+    d2t, t2d = load_draft_vocab(data_dir(cfg) / "draft_vocab.safetensors")
+    torch.manual_seed(0)
+    config = drafter_config(load_target_info(cfg.target.path), DrafterConfig(), len(d2t), [0, 1, 2])
+    model = Eagle3Drafter(config, d2t, t2d)
+    for p in model.parameters():  # norms away from 1 so the test sees them
+        torch.nn.init.normal_(p, std=0.3) if p.dim() == 1 else None
+    return model
+
+
+def test_names_are_sglangs(drafter):
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+            "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+            "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+            "midlayer.mlp.down_proj.weight"} <= names
+    assert drafter.midlayer.self_attn.q_proj.weight.shape[1] == 2 * drafter.config.hidden_size
+    assert drafter.fc.weight.shape == (drafter.config.hidden_size, 3 * drafter.config.target_hidden_size)
+    assert drafter.config.num_key_value_heads < drafter.config.num_attention_heads  # GQA exercised below
+
+
+@pytest.mark.parametrize("block", [None, 5])  # 5: several query blocks, recomputed in backward
+def test_ttt_unroll_matches_reference(drafter, features_run, monkeypatch, block):
+    if block:
+        monkeypatch.setattr(ttt, "BLOCK_ELEMENTS", block * drafter.config.num_attention_heads * 40)
+    torch.manual_seed(1)
+    T, steps = 40, 4
+    ids = torch.randint(0, drafter.config.vocab_size, (2, T))
+    aux = torch.randn(2, T, 3 * drafter.config.target_hidden_size)
+    hidden, past, ours = aux, [], []
+    positions = torch.arange(T)[None].expand(2, T)
+    for j in range(steps):
+        out = drafter(ttt._shift(ids, j + 1), hidden, positions + j, past)
+        hidden, past = out.hidden, past + [(out.key, out.value)]
+        ours.append(out.logits)
+    w = {k: v.detach() for k, v in drafter.state_dict().items()}
+    for b in range(2):
+        ref = reference_unroll(w, drafter.config, ids[b], aux[b], steps)
+        for j in range(steps):
+            torch.testing.assert_close(ours[j][b], ref[j], atol=2e-5, rtol=2e-4)
+    # gradients through the blockwise (recomputing) attention equal those of plain autograd on the reference
+    weights = torch.randn_like(ours[-1])
+    (ours[-1] * weights).sum().backward()
+    g_ours = drafter.midlayer.self_attn.q_proj.weight.grad.clone()
+    drafter.zero_grad()
+    wq = w["midlayer.self_attn.q_proj.weight"].clone().requires_grad_()
+    ref_last = [reference_unroll(w | {"midlayer.self_attn.q_proj.weight": wq}, drafter.config, ids[b], aux[b],
+                                 steps)[-1] for b in range(2)]
+    (torch.stack(ref_last) * weights).sum().backward()
+    torch.testing.assert_close(g_ours, wq.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_blockwise_memory_is_linear_in_length():
+    """The bytes autograd keeps for the blockwise attention grow ~linearly with T (T x T scores: 16x per 4x)."""
+    def saved_bytes(T):
+        q = torch.randn(1, 4, T, 16, requires_grad=True)
+        ks = [torch.randn(1, 4, T, 16, requires_grad=True) for _ in range(3)]
+        vs = [torch.randn(1, 4, T, 16, requires_grad=True) for _ in range(3)]
+        storages = {}
+
+        def pack(t):  # per-block inputs are views: count each storage once
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ttt.blockwise_ttt_attention(q, ks, vs, 0.25, block=64)
+        return sum(storages.values())
+    small, large = saved_bytes(512), saved_bytes(2048)
+    assert large / small < 5, (small, large)  # 4x the length: ~4x, not 16x
+
+
+def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
+    torch.manual_seed(0)
+    lm_head, embed = torch.randn(10, 4), torch.randn(10, 4)
+    save_file({"language_model.lm_head.weight": lm_head, "language_model.model.embed_tokens.weight": embed,
+               "language_model.model.layers.3.embed_tokens.weight": torch.zeros(10, 4)},
+              str(tmp_path / "model.safetensors"))
+    found = load_target_tensors(tmp_path, ["lm_head", "embed"])
+    assert torch.equal(found["lm_head"], lm_head) and torch.equal(found["embed"], embed)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 3, 4, 8]] = True
+    teacher = Teacher(lm_head, t2d, chunk_tokens=3)
+    final = torch.randn(2, 5, 4)
+    out = teacher(final)
+    full = final @ lm_head.T
+    assert torch.equal(out.target_ids, full.argmax(-1))
+    assert torch.equal(out.in_vocab, t2d[full.argmax(-1)])
+    torch.testing.assert_close(out.probs, torch.softmax(full[..., t2d], -1))
+
+
+def test_loader_groups_lengths_resumes_and_splits_ranks(features_run):
+    cfg = load_config(features_run[0])
+    one = FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=0, world=1)
+    assert one.padding_fraction(one.epoch_plan(0)) < 0.10
+    assert one.epoch_plan(1) == FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=0, world=1).epoch_plan(1)
+    assert one.epoch_plan(0) != one.epoch_plan(1)
+    ranks = [FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=r, world=2) for r in range(2)]
+    seen = [i for r in ranks for b in r.epoch_plan(0) for i in b]
+    assert len(seen) == len(set(seen)) and len(ranks[0].epoch_plan(0)) == len(ranks[1].epoch_plan(0))
+    assert not set(seen) & set(one.eval_idx.tolist())
+    ids = [one.ds[int(i)].sample_id for i in one.eval_idx]
+    assert ids and all(held_out(s, 0.1) for s in ids)
+    batch = one.collate(one.epoch_plan(0)[0])
+    assert all(batch.aux_hidden[r, n:].abs().sum() == 0 for r, n in enumerate(batch.lengths.tolist()))
+
+
+def test_overfits_one_batch(drafter, features_run):
+    """On one small batch the drafter learns the target's argmax: step-0 accuracy > 95%."""
+    cfg = load_config(features_run[0])
+    data = FeatureData(features_dir(cfg), 0.1, 512, seed=0, rank=0, world=1)
+    b = data.collate(data.epoch_plan(0)[0][:8])
+    t2d = drafter.t2d
+    teacher = Teacher.from_target(cfg.target.path, load_target_info(cfg.target.path).text_config, "post_norm",
+                                  t2d, torch.device("cpu"), torch.float32)(b.final_hidden)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(drafter.config, drafter.d2t, t2d)
+    model.embed_tokens.weight.data.copy_(load_target_tensors(cfg.target.path, ["embed"])["embed"])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(150):
+        r = ttt.ttt_unroll(model, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher, 2, 0.8)
+        opt.zero_grad()
+        r.loss.backward()
+        opt.step()
+    assert int(r.counted[0]) > 40  # positions whose target argmax is in the draft vocab
+    assert float(r.correct[0] / r.counted[0]) > 0.95
+    assert ttt.accept_length(float(r.accepted), float(r.chains)) > 2.5

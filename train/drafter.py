@@ -1,0 +1,149 @@
+"""The EAGLE-3 drafter, computed as SGLang's `LlamaForCausalLMEagle3` computes it and named the way its
+loader reads, so an export is a copy of the state dict:
+
+    embed_tokens.weight (the target's, frozen)   fc.weight [H, 3·H_target]
+    midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight
+    midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]   midlayer.self_attn.o_proj.weight
+    midlayer.mlp.{gate,up,down}_proj.weight   norm.weight   lm_head.weight [draft_vocab, H]   d2t, t2d (buffers)
+
+One step at positions p: h = fc(aux) on the first step (the target's aux states), else the previous step's
+output; x = [input_layernorm(embed(tokens)), hidden_norm(h)] (2H) → attention (RoPE at p) → + h →
+post_attention_layernorm → SwiGLU MLP → + residual = the step's output hidden (pre-norm; SGLang feeds this
+to the next draft step) → norm → lm_head over the draft vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
+
+from data.config import DrafterConfig
+from data.target import TargetInfo
+
+from .ttt import ttt_attention
+
+
+def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: int,
+                   aux_layer_ids: list[int]) -> LlamaConfig:
+    """The drafter's LlamaConfig: unset shape fields and the RoPE settings (default, llama3, yarn, ...)
+    come from the target's config; the EAGLE-3 fields SGLang reads ride along as extra attributes."""
+    t = target.text_config
+    hidden = shape.hidden_size or target.hidden_size
+    heads = shape.num_attention_heads or int(t["num_attention_heads"])
+    kv_heads = shape.num_key_value_heads or int(t.get("num_key_value_heads") or heads)
+    # An MLA target's head_dim describes its latent attention, not a Llama layer: derive ours instead.
+    target_head_dim = t.get("head_dim") if "kv_lora_rank" not in t and hidden == target.hidden_size else None
+    head_dim = shape.head_dim or target_head_dim or hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"drafter: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    rope = {"rope_parameters": t["rope_parameters"]} if t.get("rope_parameters") else \
+        {"rope_theta": t.get("rope_theta", 10000.0), "rope_scaling": t.get("rope_scaling")}
+    return LlamaConfig(
+        architectures=["LlamaForCausalLMEagle3"], hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=shape.intermediate_size or int(t.get("intermediate_size") or 4 * hidden),
+        rms_norm_eps=shape.rms_norm_eps or float(t.get("rms_norm_eps", 1e-6)), hidden_act="silu",
+        num_hidden_layers=1, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+        **rope)
+
+
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor   # [B, T, H] pre-norm output, the next step's hidden input
+    logits: torch.Tensor   # [B, T, draft_vocab]
+    key: torch.Tensor      # [B, kv_heads, T, head_dim] this step's keys and values, which later steps attend to
+    value: torch.Tensor
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        width = 2 * config.hidden_size  # [embeds, hidden] concatenated
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.backend = "blockwise"
+
+    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = ttt_attention(q, [*(p[0] for p in past), k], [*(p[1] for p in past), v], self.head_dim ** -0.5,
+                            self.backend)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, *past_flat):
+        past = list(zip(past_flat[0::2], past_flat[1::2]))
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, k, v = self.self_attn(x, cos, sin, past)
+        h = hidden + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: LlamaConfig, d2t: torch.Tensor, t2d: torch.Tensor):
+        super().__init__()
+        self.config = config
+        if len(d2t) != config.draft_vocab_size or len(t2d) != config.vocab_size:
+            raise ValueError(f"draft vocab: d2t has {len(d2t)} entries, t2d {len(t2d)}; the config says "
+                             f"{config.draft_vocab_size} and {config.vocab_size}")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, loaded by the trainer
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # DeepSpeed's bf16 cast also casts float buffers; RoPE frequencies must stay fp32 (SGLang keeps them
+        # so), else angles drift by radians at positions in the thousands. Kept here, out of the cast's reach.
+        self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()
+        self.register_buffer("d2t", d2t.to(torch.int64))
+        self.register_buffer("t2d", t2d.to(torch.bool))
+        self.activation_checkpointing = False
+
+    def set_attention(self, backend: str) -> None:
+        self.midlayer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                past: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> StepOutput:
+        """One draft step over a whole sequence. `hidden` is the target's aux states [B, T, 3·H_target] on
+        the first step (projected by fc, as in SGLang) and the previous step's output after that; `past`
+        holds the keys/values of the earlier steps of this unroll."""
+        embeds = self.embed_tokens(input_ids)
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)
+        if self.rotary_emb.inv_freq.dtype != torch.float32:
+            self.rotary_emb.inv_freq = self._inv_freq32.to(hidden.device)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        flat = [t for kv in past for t in kv]
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            h, k, v = checkpoint(self.midlayer, embeds, hidden, cos, sin, *flat, use_reentrant=False)
+        else:
+            h, k, v = self.midlayer(embeds, hidden, cos, sin, *flat)
+        return StepOutput(h, self.lm_head(self.norm(h)), k, v)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]

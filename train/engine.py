@@ -1,0 +1,137 @@
+"""DeepSpeed: its config (generated from `train.optim`, or the user's JSON), the engine, checkpoints.
+
+Checkpoints are DeepSpeed's own (`save_checkpoint`/`load_checkpoint`, any ZeRO stage, `latest` pointer)
+under RUN_DIR/train/checkpoints/stepN, without the frozen embedding (it is the target's). Next to DeepSpeed's
+files each tag holds `trainer_state.json`: step, data position (epoch, micro-batch) and counters. Nothing
+else is random (no dropout, data order is a function of seed and epoch), so that restores the run exactly.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from data.config import ConfigError, TrainConfig
+from data.shards import atomic_write_json
+
+STATE_FILE = "trainer_state.json"
+BEST_FILE = "best.json"
+
+
+def _scheduler(o, total_steps: int) -> dict:
+    warmup = max(1, o.warmup_steps)
+    if o.schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps, "warmup_num_steps": warmup,
+                                                     "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio,
+                                                     "warmup_type": "linear"}}
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
+    if o.schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": total_steps}}
+    return {"type": "WarmupLR", "params": params}
+
+
+def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json: str | None = None) -> dict:
+    """The DeepSpeed config. A micro-batch is one token-budget batch, hence train_micro_batch_size_per_gpu 1."""
+    if user_json:
+        if train.optim.model_fields_set:
+            keys = ", ".join(f"train.optim.{k}" for k in sorted(train.optim.model_fields_set))
+            raise ConfigError(f"{keys} set in the config but --deepspeed_config {user_json} is given: "
+                              "set them in one place")
+        ds = json.loads(Path(user_json).read_text())
+        if ds.setdefault("train_micro_batch_size_per_gpu", 1) != 1:
+            raise ConfigError(f"{user_json}: train_micro_batch_size_per_gpu must be 1 (a micro-batch is one "
+                              "token-budget batch; size it with train.max_batch_tokens)")
+        ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro x accumulation x world
+        params = ds.get("scheduler", {}).get("params", {})
+        if params.get("total_num_steps") in (None, "auto") and "total_num_steps" in params:
+            params["total_num_steps"] = total_steps
+        return ds
+    o = train.optim
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": o.grad_accum,
+        "gradient_clipping": o.clip_grad,
+        # torch's AdamW: no JIT-built kernel needed, and the same optimizer on CPU and GPU.
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": 1e-8,
+                                                  "weight_decay": o.weight_decay, "torch_adam": True}},
+        "scheduler": _scheduler(o, total_steps),
+        "zero_optimization": {"stage": o.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10 ** 9,
+    }
+
+
+def init_engine(model: torch.nn.Module, ds_config: dict):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    return engine
+
+
+def warm_start(model: torch.nn.Module, drafter_dir: str | Path) -> list[str]:
+    """Copy an exported (SGLang-format) drafter's weights into `model`; its draft vocab must be ours."""
+    path = Path(drafter_dir)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no safetensors in the warm-start drafter directory")
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    own = model.state_dict()
+    for name in ("d2t", "t2d"):
+        if name in tensors and not torch.equal(tensors[name].to(own[name].dtype), own[name]):
+            raise ValueError(f"{path}: its {name} differs from this run's draft vocab (train with the drafter's "
+                             "vocab, or start from scratch)")
+    unknown = sorted(set(tensors) - set(own))
+    if unknown:
+        raise ValueError(f"{path}: tensors the drafter does not have: {unknown}")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise ValueError(f"{path}: {name} has shape {list(t.shape)}, the drafter {list(own[name].shape)}")
+    model.load_state_dict(tensors, strict=False)
+    return sorted(tensors)
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep_last: int):
+        self.dir, self.keep_last = directory, keep_last
+
+    def save(self, engine, step: int, state: dict) -> str:
+        tag = f"step{step}"
+        if dist.get_rank() == 0:
+            (self.dir / tag).mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.dir / tag / STATE_FILE, state)
+        # DeepSpeed writes `latest` after its own files, so `latest` never names a half-written tag.
+        engine.save_checkpoint(str(self.dir), tag=tag, exclude_frozen_parameters=True)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            self._prune()
+        return tag
+
+    def mark_best(self, tag: str, metrics: dict) -> None:
+        if dist.get_rank() == 0:
+            atomic_write_json(self.dir / BEST_FILE, {"tag": tag, **metrics})
+
+    def best(self) -> dict | None:
+        path = self.dir / BEST_FILE
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def _prune(self) -> None:
+        tags = sorted((p for p in self.dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+        best = (self.best() or {}).get("tag")
+        for old in tags[:-self.keep_last]:
+            if old.name != best:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self, engine) -> dict | None:
+        """Load `latest` into the engine; the trainer state saved with it, or None for a fresh start."""
+        latest = self.dir / "latest"
+        if not latest.exists():
+            return None
+        tag = latest.read_text().strip()
+        path, _ = engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=False)
+        if path is None:
+            raise RuntimeError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
+        return json.loads((self.dir / tag / STATE_FILE).read_text())

@@ -1,0 +1,150 @@
+"""Batches over the feature shards: held-out split, length-grouped token-budget batches, a seeded order
+that depends only on (seed, epoch) so a resumed run sees the same batches, and a prefetch thread.
+
+Every rank builds the same plan and takes every world-th batch (the tail that does not divide evenly is
+dropped), so ranks step in lockstep. The position in the plan is (epoch, micro-batch index): the whole
+data state a checkpoint needs.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from data.shards import ShardDataset
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor    # [B, T] int64, right-padded
+    loss_mask: torch.Tensor    # [B, T] bool
+    aux_hidden: torch.Tensor   # [B, T, n_aux * H]
+    final_hidden: torch.Tensor  # [B, T, H]
+    lengths: torch.Tensor      # [B]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def padded(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "Batch":
+        nb = device.type == "cuda"
+        return Batch(self.input_ids.to(device, non_blocking=nb), self.loss_mask.to(device, non_blocking=nb),
+                     self.aux_hidden.to(device, non_blocking=nb).to(dtype),
+                     self.final_hidden.to(device, non_blocking=nb).to(dtype), self.lengths.to(device))
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """Stable eval membership: depends on the sample id only, not on shard layout or rank count."""
+    return xxhash.xxh64_intdigest(sample_id.encode()) < fraction * 2 ** 64
+
+
+def length_grouped_batches(lengths: np.ndarray, indices: np.ndarray, max_tokens: int,
+                           rng: np.random.Generator | None) -> list[list[int]]:
+    """Batches of similar lengths whose padded size (batch x longest) stays within max_tokens; a sample
+    longer than max_tokens goes alone. With `rng`, equal lengths are tie-broken and batches ordered randomly."""
+    jitter = rng.random(len(indices)) if rng is not None else np.zeros(len(indices))
+    order = indices[np.lexsort((jitter, lengths[indices]))]
+    batches, cur = [], []
+    for i in order:
+        longest = int(lengths[i])  # ascending, so the newest is the longest
+        if cur and (len(cur) + 1) * longest > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(int(i))
+    batches += [cur] if cur else []
+    if rng is not None:
+        batches = [batches[k] for k in rng.permutation(len(batches))]
+    return batches
+
+
+class FeatureData:
+    def __init__(self, directory, eval_fraction: float, max_tokens: int, seed: int, rank: int, world: int):
+        self.ds = ShardDataset(directory)
+        self.meta = self.ds.meta
+        self.lengths = self.ds.lengths()
+        ids = [self.ds[i].sample_id for i in range(len(self.ds))]
+        is_eval = np.array([held_out(s, eval_fraction) for s in ids], dtype=bool)
+        self.train_idx, self.eval_idx = np.nonzero(~is_eval)[0], np.nonzero(is_eval)[0]
+        self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
+        if self.micro_batches_per_epoch() == 0:
+            raise ValueError(f"{directory}: {len(self.train_idx)} training samples make fewer batches than the "
+                             f"{world} ranks (lower train.max_batch_tokens or add data)")
+
+    def _rank_slice(self, batches: list[list[int]]) -> list[list[int]]:
+        usable = len(batches) - len(batches) % self.world
+        return batches[self.rank:usable:self.world]
+
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, epoch])
+        return self._rank_slice(length_grouped_batches(self.lengths, self.train_idx, self.max_tokens, rng))
+
+    def eval_plan(self) -> list[list[int]]:
+        batches = length_grouped_batches(self.lengths, self.eval_idx, self.max_tokens, None)
+        if len(batches) < self.world:  # a small eval set: one sample per batch so every rank gets some
+            batches = [[i] for b in batches for i in b]
+        return self._rank_slice(batches)
+
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.epoch_plan(0))
+
+    def padding_fraction(self, plan: list[list[int]]) -> float:
+        real = sum(int(self.lengths[b].sum()) for b in plan)
+        padded = sum(len(b) * int(self.lengths[b].max()) for b in plan)
+        return 1 - real / max(padded, 1)
+
+    def collate(self, indices: list[int], pin: bool = False) -> Batch:
+        samples = [self.ds[i] for i in indices]
+        T = max(len(s.input_ids) for s in samples)
+        B = len(samples)
+        aux_w, fin_w = samples[0].aux_hidden.shape[1], samples[0].final_hidden.shape[1]
+        dtype = samples[0].aux_hidden.dtype
+        batch = Batch(torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.bool),
+                      torch.zeros(B, T, aux_w, dtype=dtype), torch.zeros(B, T, fin_w, dtype=dtype),
+                      torch.tensor([len(s.input_ids) for s in samples]))
+        for r, s in enumerate(samples):
+            n = len(s.input_ids)
+            batch.input_ids[r, :n] = s.input_ids
+            batch.loss_mask[r, :n] = s.loss_mask.bool()
+            batch.aux_hidden[r, :n] = s.aux_hidden
+            batch.final_hidden[r, :n] = s.final_hidden
+        if pin:
+            batch = Batch(*(t.pin_memory() for t in (batch.input_ids, batch.loss_mask, batch.aux_hidden,
+                                                     batch.final_hidden, batch.lengths)))
+        return batch
+
+    def stream(self, epoch: int, micro: int, epochs: int, pin: bool = False
+               ) -> Iterator[tuple[int, int, Batch, float]]:
+        """(epoch, micro index, batch, seconds the consumer waited for it) from (epoch, micro) on; a thread
+        collates ahead so the step rarely waits."""
+        q: queue.Queue = queue.Queue(maxsize=4)
+
+        def produce():
+            try:
+                for e in range(epoch, epochs):
+                    plan = self.epoch_plan(e)
+                    for m in range(micro if e == epoch else 0, len(plan)):
+                        q.put((e, m, self.collate(plan[m], pin)))
+                q.put(None)
+            except BaseException as err:  # surfaces in the consumer instead of hanging it
+                q.put(err)
+
+        threading.Thread(target=produce, daemon=True).start()
+        while True:
+            t0 = time.perf_counter()
+            item = q.get()
+            waited = time.perf_counter() - t0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield (*item, waited)

@@ -1,0 +1,184 @@
+"""Train an EAGLE-3 drafter on extracted features:
+
+    deepspeed [--num_gpus N | --hostfile H] train/main.py --config run.yaml [--deepspeed_config ds.json] [--train.key v]
+
+config → data → model (+ teacher) → DeepSpeed engine (resumes from `latest`) → TTT loop with eval and
+checkpoints → summary. Reads RUN_DIR/features and RUN_DIR/data/draft_vocab.safetensors, writes RUN_DIR/train.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `deepspeed train/main.py` runs this as a script: import the project's packages
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from data.config import EyrieConfig, cli_config
+from data.prepare import data_dir
+from data.shards import atomic_write_json
+from data.target import load_target_info
+from data.vocab import load_draft_vocab
+from extract.job import features_dir
+from train.drafter import Eagle3Drafter, drafter_config
+from train.engine import Checkpoints, deepspeed_config, init_engine, warm_start
+from train.loader import FeatureData
+from train.metrics import Logger, TTTStats
+from train.teacher import Teacher, load_target_tensors
+from train.ttt import ttt_unroll
+
+
+def train_dir(cfg: EyrieConfig) -> Path:
+    return Path(cfg.run_dir) / "train"
+
+
+def setup_distributed() -> torch.device:
+    """Rank/world from the deepspeed (or torchrun) launcher; a plain `python train/main.py` is one rank."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    if dist.get_rank() != 0:  # clean logs: other ranks speak only through errors
+        deepspeed.utils.logger.setLevel("WARNING")
+    return device
+
+
+def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> tuple[Eagle3Drafter, Teacher]:
+    target = load_target_info(cfg.target.path)
+    meta = data.meta
+    if meta["target_config_hash"] != target.config_hash:
+        raise ValueError(f"{features_dir(cfg)} was extracted from a target whose config differs from "
+                         f"{cfg.target.path} ({meta['target_config_hash']} vs {target.config_hash})")
+    ids = meta["aux_layer_ids"]  # the shards' layer ids are the truth; a configured list must agree
+    if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != ids:
+        raise ValueError(f"target.aux_layer_ids {cfg.target.aux_layer_ids} but the shards hold layers {ids}")
+    d2t, t2d = load_draft_vocab(data_dir(cfg) / "draft_vocab.safetensors")
+    model = Eagle3Drafter(drafter_config(target, cfg.train.drafter, len(d2t), ids), d2t, t2d)
+    embed = load_target_tensors(cfg.target.path, ["embed"]).get("embed")
+    if embed is None:
+        raise ValueError(f"{cfg.target.path}: no embed_tokens.weight in the target's checkpoint")
+    if embed.shape == model.embed_tokens.weight.shape:
+        model.embed_tokens.weight.data.copy_(embed)
+    else:  # a drafter narrower than the target learns its own embedding (exported with it)
+        model.embed_tokens.weight.requires_grad_(True)
+    if cfg.train.warm_start:
+        warm_start(model, cfg.train.warm_start)
+    model.set_attention(cfg.train.attention if cfg.train.attention != "auto" else
+                        "flex" if device.type == "cuda" else "blockwise")
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.dtype != "float32" else torch.float32
+    teacher = Teacher.from_target(cfg.target.path, target.text_config, meta["final_hidden"], t2d, device, dtype)
+    return model, teacher
+
+
+@torch.no_grad()
+def evaluate(engine, data: FeatureData, teacher: Teacher, cfg: EyrieConfig, device, dtype) -> dict | None:
+    plan = data.eval_plan()
+    if not plan:
+        return None
+    engine.eval()
+    stats = TTTStats(cfg.train.ttt_steps, cfg.train.ttt_decay)
+    for indices in plan:
+        b = data.collate(indices).to(device, dtype)
+        r = ttt_unroll(engine, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden),
+                       cfg.train.ttt_steps, cfg.train.ttt_decay)
+        stats.add(r, b.tokens, b.padded)
+    engine.train()
+    return stats.reduce()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = cli_config("Train an EAGLE-3 drafter with DeepSpeed.", argv, {
+        "--deepspeed_config": {"default": None, "help": "a DeepSpeed JSON to use instead of train.optim"},
+        "--local_rank": {"type": int, "default": None, "help": "set by the deepspeed launcher"}})
+    device = setup_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.seed)
+    out = train_dir(cfg)
+    tc = cfg.train
+
+    data = FeatureData(features_dir(cfg), tc.eval_fraction, tc.max_batch_tokens, cfg.seed, rank, world)
+    model, teacher = build_drafter(cfg, data, device)
+
+    bf16 = teacher.lm_head.dtype == torch.bfloat16
+    provisional = deepspeed_config(tc, 1, bf16, args.deepspeed_config)
+    steps_per_epoch = max(1, data.micro_batches_per_epoch() // provisional["gradient_accumulation_steps"])
+    total = tc.max_steps or steps_per_epoch * tc.epochs
+    engine = init_engine(model, deepspeed_config(tc, total, bf16, args.deepspeed_config))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    checkpoints = Checkpoints(out / "checkpoints", tc.keep_last)
+    state = checkpoints.resume(engine) or {"step": 0, "epoch": 0, "micro": 0, "tokens": 0}
+    best = (checkpoints.best() or {}).get("accept_length", 0.0)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "drafter_config.json", model.config.to_dict())
+    log = Logger(out, total, state["step"], enabled=rank == 0)
+    log.message(f"[train] {len(data.train_idx)} train / {len(data.eval_idx)} eval samples, {world} ranks, "
+                f"{steps_per_epoch} steps per epoch, {total} steps, padding "
+                f"{data.padding_fraction(data.epoch_plan(0)):.1%}" + (f", resumed at step {state['step']}"
+                                                                      if state["step"] else ""))
+
+    stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
+    step, eval_metrics = state["step"], None
+    epochs_needed = math.ceil(total / steps_per_epoch) + 1
+    for epoch, micro, batch, wait in data.stream(state["epoch"], state["micro"], epochs_needed,
+                                                 pin=device.type == "cuda"):
+        if step >= total:
+            break
+        b = batch.to(device, dtype)
+        result = ttt_unroll(engine, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden),
+                            tc.ttt_steps, tc.ttt_decay)
+        engine.backward(result.loss)
+        engine.step()
+        stats.add(result, b.tokens, b.padded)
+        waited += wait
+        state |= {"epoch": epoch, "micro": micro + 1}
+        if engine.global_steps == step:
+            continue  # gradient accumulation: no optimizer step yet
+        step = state["step"] = engine.global_steps
+        if step % tc.log_every == 0 or step == total:
+            elapsed = time.perf_counter() - t0
+            scalars = stats.reduce()
+            state["tokens"] += int(scalars["tokens"])  # all ranks
+            grad_norm = engine.get_global_grad_norm()
+            scalars |= {"lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                        "tokens_per_s": scalars["tokens"] / elapsed, "loader_wait_fraction": waited / elapsed}
+            if device.type == "cuda":
+                scalars["gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+            log.log(step, scalars, "train")
+            log.progress(step, {"loss": f"{scalars['loss']:.3f}", "acc0": f"{scalars['acc_step0']:.2f}",
+                                "accept": f"{scalars['accept_length']:.2f}"})
+            stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
+        new_best = False
+        if step % tc.eval_every == 0 or step == total:
+            eval_metrics = evaluate(engine, data, teacher, cfg, device, dtype)
+            if eval_metrics:
+                log.log(step, eval_metrics, "eval")
+                new_best = eval_metrics["accept_length"] > best
+        if step % tc.save_every == 0 or step == total or new_best:
+            tag = checkpoints.save(engine, step, state)
+            if new_best:
+                best = eval_metrics["accept_length"]
+                checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+    log.close()
+    if rank == 0:
+        atomic_write_json(out / "summary.json", {
+            "steps": step, "tokens": state["tokens"], "world_size": world,
+            "latest": (out / "checkpoints" / "latest").read_text().strip(), "best": checkpoints.best(),
+            "eval": eval_metrics, "aux_layer_ids": data.meta["aux_layer_ids"],
+            "config": cfg.model_dump(mode="json")})
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

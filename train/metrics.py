@@ -1,0 +1,78 @@
+"""Metrics: sums reduced across ranks, TensorBoard scalars and a JSONL log (rank 0), the progress bar."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .ttt import TTTResult, accept_length
+
+
+class TTTStats:
+    """Sums of TTT results over micro-batches; `reduce()` adds them up across ranks."""
+
+    def __init__(self, steps: int, decay: float):
+        self.steps, self.decay = steps, decay
+        # [loss_j..., correct_j..., counted_j..., accepted, chains, micro-batches, tokens, padded tokens]
+        self.sums = torch.zeros(3 * steps + 5, dtype=torch.float64)
+
+    def add(self, r: TTTResult, tokens: int, padded: int) -> None:
+        self.sums += torch.cat([r.step_loss.double().cpu(), r.correct.double().cpu(), r.counted.double().cpu(),
+                                torch.tensor([float(r.accepted), float(r.chains), 1.0, tokens, padded],
+                                             dtype=torch.float64)])
+
+    def reduce(self) -> dict:
+        sums = self.sums.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            sums = sums.to(device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        k = self.steps
+        step_loss = sums[:k] / sums[3 * k + 2].clamp(min=1)  # mean over micro-batches (all ranks)
+        acc = sums[k:2 * k] / sums[2 * k:3 * k].clamp(min=1)
+        out = {f"loss_step{j}": float(step_loss[j]) for j in range(k)}
+        out |= {f"acc_step{j}": float(acc[j]) for j in range(k)}
+        out["accept_length"] = accept_length(float(sums[3 * k]), float(sums[3 * k + 1]))
+        out["loss"] = float(sum(step_loss[j] * self.decay ** j for j in range(k)))
+        out["tokens"] = float(sums[3 * k + 3])
+        out["padding_fraction"] = 1 - float(sums[3 * k + 3]) / max(float(sums[3 * k + 4]), 1.0)
+        return out
+
+
+class Logger:
+    def __init__(self, directory: Path, total_steps: int, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.writer = self.bar = self.jsonl = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            directory.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(str(directory / "tensorboard"), purge_step=start_step + 1)
+            self.jsonl = open(directory / "log.jsonl", "a")
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, scalars: dict, prefix: str) -> None:
+        if not self.enabled:
+            return
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"{prefix}/{name}", value, step)
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
+        self.jsonl.flush()
+
+    def progress(self, step: int, postfix: dict) -> None:
+        if self.enabled:
+            self.bar.n = step
+            self.bar.set_postfix(postfix, refresh=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            tqdm.write(text)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.writer.close()
+            self.jsonl.close()

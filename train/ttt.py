@@ -1,0 +1,147 @@
+"""Training-time test (TTT): the drafter unrolled over k steps, its attention rule, and its loss.
+
+Step j (0-based) at position t feeds token x[t+j+1] and, for j > 0, the drafter's own output of step j-1 at
+t, at RoPE position t+j; it predicts x[t+j+2] against the teacher's distribution at position t+j+1. So
+each position t plays one whole k-step chain draft, as SGLang runs it after the target verified x[..t+1].
+
+Attention (the EAGLE-3 rule): a query of step j at t sees the first step's keys causally (positions <= t,
+conditioned on the target's states) plus the keys of steps 1..j at the same position t only. Both
+implementations keep memory linear in T: `blockwise` computes exact attention one query block at a time and
+recomputes each block in backward (any device); `flex` runs one fused flex-attention kernel over all steps'
+keys with a block-sparse mask (CUDA).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+BLOCK_ELEMENTS = 1 << 25  # score elements per query block (x4 bytes in fp32): bounds blockwise's peak memory
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+                  backend: str) -> torch.Tensor:
+    """q [B, Hq, T, D]; keys/values: one [B, Hkv, T, D] per step so far, keys[0] the first (causal) step."""
+    if backend == "flex":
+        return flex_ttt_attention(q, keys, values, scale)
+    return blockwise_ttt_attention(q, keys, values, scale)
+
+
+def _attend_block(q, k0, v0, *diagonal, start: int, scale: float):
+    n = len(diagonal) // 2
+    dk, dv = diagonal[:n], diagonal[n:]
+    scores = (q @ k0.transpose(-1, -2)).float() * scale                       # [B, H, blk, end]
+    rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+    cols = torch.arange(k0.shape[2], device=q.device)[None, :]
+    scores = scores.masked_fill(cols > rows, float("-inf"))
+    own = [(q * k).sum(-1, keepdim=True).float() * scale for k in dk]         # [B, H, blk, 1] each
+    probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1).to(q.dtype)
+    end = k0.shape[2]
+    out = probs[..., :end] @ v0
+    for i, v in enumerate(dv):
+        out = out + probs[..., end + i:end + i + 1] * v
+    return out
+
+
+def blockwise_ttt_attention(q, keys, values, scale, block: int | None = None):
+    B, H, T, D = q.shape
+    rep = H // keys[0].shape[1]  # grouped-query attention: share each kv head across `rep` query heads
+    keys = [k.repeat_interleave(rep, dim=1) if rep > 1 else k for k in keys]
+    values = [v.repeat_interleave(rep, dim=1) if rep > 1 else v for v in values]
+    block = block or max(16, BLOCK_ELEMENTS // max(B * H * T, 1))
+    recompute = torch.is_grad_enabled() and T > block
+    outs = []
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
+                *(k[:, :, start:end] for k in keys[1:]), *(v[:, :, start:end] for v in values[1:]))
+        fn = functools.partial(_attend_block, start=start, scale=scale)
+        outs.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+    return torch.cat(outs, dim=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(T: int, steps: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def rule(b, h, q_idx, kv_idx):  # first step causal; later steps only at the query's own position
+        return torch.where(kv_idx < T, kv_idx <= q_idx, (kv_idx % T) == q_idx)
+    return create_block_mask(rule, None, None, T, steps * T, device=device, _compile=True)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_ttt_attention(q, keys, values, scale):
+    mask = _block_mask(q.shape[2], len(keys), str(q.device))
+    return _compiled_flex()(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), block_mask=mask, scale=scale,
+                            enable_gqa=keys[0].shape[1] != q.shape[1])
+
+
+def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t + n] at t, `fill` past the end."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, :x.shape[1] - n] = x[:, n:]
+    return out
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor           # Σ_j decay^j · loss_j, differentiable
+    step_loss: torch.Tensor      # [k] soft cross-entropy per step (detached)
+    correct: torch.Tensor        # [k] positions where the draft argmax (mapped via d2t) == the target's argmax
+    counted: torch.Tensor        # [k] positions scored per step
+    accepted: torch.Tensor       # Σ over chains of drafts accepted in a row (chain = positions scored at step 0)
+    chains: torch.Tensor         # number of chains
+
+
+def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
+               lengths: torch.Tensor, teacher, steps: int, decay: float) -> TTTResult:
+    """Run the k-step unroll on a right-padded batch. `model` is the drafter (or its DeepSpeed engine);
+    `teacher` the target's distribution over the draft vocab at every position (see teacher.py)."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    positions = torch.arange(T, device=device)[None].expand(B, T)
+    valid = positions < lengths[:, None]
+    loss_mask = loss_mask.bool() & valid
+    d2t = model.module.d2t if hasattr(model, "module") else model.d2t
+    hidden, past = aux_hidden, []
+    total = aux_hidden.new_zeros((), dtype=torch.float32)
+    step_loss, correct, counted = [], [], []
+    chain = first = None
+    for j in range(steps):
+        out = model(_shift(input_ids, j + 1), hidden, positions + j, past)
+        hidden, past = out.hidden, past + [(out.key, out.value)]
+        # Step j at t predicts x[t+j+2]: scored where that token carries loss and the target's own choice at
+        # t+j+1 is in the draft vocab (EAGLE-3 masks the rest).
+        mask = _shift(loss_mask, j + 2, False) & _shift(teacher.in_vocab, j + 1, False)
+        target_p = _shift(teacher.probs, j + 1)
+        token_loss = -(target_p.float() * F.log_softmax(out.logits.float(), dim=-1)).sum(-1)
+        n = mask.sum()
+        loss_j = (token_loss * mask).sum() / n.clamp(min=1)
+        total = total + decay ** j * loss_j
+        with torch.no_grad():
+            draft = out.logits.argmax(-1)
+            hit = (draft + d2t[draft] == _shift(teacher.target_ids, j + 1)) & mask
+            first = mask if first is None else first
+            chain = hit if chain is None else chain & hit
+            step_loss.append(loss_j.detach())
+            correct.append(hit.sum())
+            counted.append(n)
+            accepted = chain.sum() if j == 0 else accepted + chain.sum()
+    return TTTResult(total, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), accepted,
+                     first.sum())
+
+
+def accept_length(accepted: float, chains: float) -> float:
+    """Simulated accept length (SGLang's spec_accept_length: tokens emitted per target verify step) for
+    chain drafting with k steps: 1 (the target's own token) + mean over positions of the drafts accepted
+    in a row, each draft scored against the target's argmax under teacher forcing."""
+    return 1.0 + accepted / max(chains, 1.0)
