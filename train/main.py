@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bf16 = teacher.lm_head.dtype == torch.bfloat16
     provisional = deepspeed_config(tc, 1, bf16, args.deepspeed_config)
-    steps_per_epoch = max(1, data.micro_batches_per_epoch() // provisional["gradient_accumulation_steps"])
+    steps_per_epoch = max(1, data.micro_batches_per_epoch() // provisional.get("gradient_accumulation_steps", 1))
     total = tc.max_steps or steps_per_epoch * tc.epochs
     engine = init_engine(model, deepspeed_config(tc, total, bf16, args.deepspeed_config))
     dtype = torch.bfloat16 if bf16 else torch.float32

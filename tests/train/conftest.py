@@ -28,7 +28,7 @@ def features_run(make_tokenizer, tmp_path_factory):
            "extract": {"samples_per_shard": 50},
            "train": {"ttt_steps": 3, "max_batch_tokens": 1024, "eval_fraction": 0.1, "log_every": 1,
                      "eval_every": 4, "save_every": 4, "keep_last": 2, "max_steps": 12,
-                     "optim": {"lr": 3e-3, "warmup_steps": 2}}}
+                     "optim": {"lr": 1e-2, "warmup_steps": 2}}}
     config = root / "run.yaml"
     config.write_text(json.dumps(raw))
     cfg = load_config(config)

@@ -1,0 +1,126 @@
+"""`deepspeed --num_gpus 2 train/main.py` for real (gloo on CPU): ZeRO-2 and ZeRO-3, TensorBoard, checkpoints,
+eval, and a killed run that resumes onto the same loss curve."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.config import ConfigError, TrainConfig
+from tests.train.conftest import with_run_dir
+from train.engine import deepspeed_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "train/main.py", "--config",
+           str(config), *overrides]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss from the JSONL log (the last record of a step wins: a resumed run re-logs)."""
+    rows = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def zero2_run(features_run, tmp_path_factory):
+    run = tmp_path_factory.mktemp("zero2") / "run"
+    out = finish(launch(with_run_dir(features_run, run)))
+    return run, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_train(stage, zero2_run, features_run, tmp_path):
+    if stage == 2:
+        run, out = zero2_run
+    else:
+        run = tmp_path / "run"
+        out = finish(launch(with_run_dir(features_run, run, optim={"lr": 1e-2, "warmup_steps": 2,
+                                                                    "zero_stage": 3})))
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.5, curve  # the loss falls (12 steps from scratch)
+    if stage == 3:  # partitioning changes where the numbers live, not the math
+        reference = losses(zero2_run[0])
+        assert all(abs(curve[s] - reference[s]) < 1e-3 for s in curve), (curve, reference)
+    assert "2 ranks" in out and out.count("resolved config:") == 1  # rank 0 alone prints
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "train" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/loss_step0", "train/acc_step2", "train/accept_length", "train/lr",
+            "train/grad_norm", "train/tokens_per_s", "train/padding_fraction", "train/loader_wait_fraction",
+            "eval/loss", "eval/accept_length"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
+
+    ckpt = run / "train" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step12"
+    assert sorted(p.name for p in ckpt.glob("step*")) >= ["step12", "step8"]  # keep_last 2 (+ the best)
+    assert not (ckpt / "step4").exists() or json.loads((ckpt / "best.json").read_text())["tag"] == "step4"
+    assert json.loads((ckpt / "step12" / "trainer_state.json").read_text())["step"] == 12
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["world_size"] == 2 and summary["aux_layer_ids"] == [0, 1, 2]
+    assert summary["eval"]["accept_length"] >= 1.0 and summary["best"]["tag"].startswith("step")
+
+
+def test_killed_run_resumes_on_the_same_loss_curve(zero2_run, features_run, tmp_path):
+    reference = losses(zero2_run[0])
+    run = tmp_path / "run"
+    config = with_run_dir(features_run, run)
+    proc = launch(config)
+    latest = run / "train" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before its first checkpoint"
+    for pid in [proc.pid]:  # the launcher and both ranks share its session
+        os.killpg(pid, signal.SIGKILL)
+    proc.communicate()
+    killed_at = int(latest.read_text()[4:])
+    assert killed_at < 12, "the kill must land mid-run"
+
+    out = finish(launch(config))
+    assert f"resumed at step {killed_at}" in out
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(killed_at + 1, 13):
+        assert abs(resumed[step] - reference[step]) < 1e-4, (step, resumed[step], reference[step])
+
+
+def test_deepspeed_json_is_the_single_source_when_given(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                              "scheduler": {"type": "WarmupCosineLR",
+                                            "params": {"total_num_steps": "auto", "warmup_num_steps": 5}},
+                              "zero_optimization": {"stage": 3}}))
+    made = deepspeed_config(TrainConfig(), 123, False, str(ds))
+    assert made["scheduler"]["params"]["total_num_steps"] == 123 and made["train_micro_batch_size_per_gpu"] == 1
+    with pytest.raises(ConfigError, match="train.optim.lr"):
+        deepspeed_config(TrainConfig.model_validate({"optim": {"lr": 0.1}}), 123, False, str(ds))
+    generated = deepspeed_config(TrainConfig.model_validate({"optim": {"zero_stage": 1, "grad_accum": 4}}), 50, True)
+    assert generated["zero_optimization"]["stage"] == 1 and generated["gradient_accumulation_steps"] == 4
+    assert generated["bf16"]["enabled"] and generated["scheduler"]["params"]["total_num_steps"] == 50
