@@ -94,6 +94,7 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    nproc_per_node: int = Field(1, ge=1, description="ranks the pipeline launches with `deepspeed --num_gpus`")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
     ttt_decay: float = Field(0.8, gt=0, description="loss weight of TTT step i is ttt_decay**i")

@@ -85,7 +85,7 @@ def build_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
 
 def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
                      seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, initializer_range: float = 0.02):
-    """A randomly initialised Llama saved with safetensors (the demo trains it before use)."""
+    """A randomly initialised Llama saved with safetensors (`train_target` trains the demo's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,17 +99,55 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, lay
     return model
 
 
-def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0) -> dict:
+def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_len: int = 256, batch: int = 16,
+                 lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Next-token training on the chat-rendered corpus, so the target's greedy text follows the tasks' patterns
+    (what makes a drafter's job learnable). Returns the loss every 50 steps."""
+    import torch
+    from tqdm import tqdm
+
+    rows = [tokenizer.apply_chat_template(c["messages"], tokenize=True, return_dict=False)[:seq_len]
+            for c in conversations]
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    labels = ids.masked_fill(ids == pad, -100)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    losses = []
+    for step in tqdm(range(steps), desc="train demo target"):
+        pick = torch.randint(0, len(rows), (batch,), generator=g)
+        loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != pad).long(), labels=labels[pick]).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            losses.append(round(float(loss), 4))
+    return losses
+
+
+def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, train_steps: int = 500) -> dict:
+    """Corpus, tokenizer and a tiny Llama trained on other conversations of the same tasks."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     convs = make_conversations(conversations, seed)
     with open(out / "conversations.jsonl", "w") as fh:
         fh.writelines(json.dumps(c) + "\n" for c in convs)
-    texts = [m["content"] for c in make_conversations(2000, seed + 1) for m in c["messages"]]
-    tok = build_tokenizer(texts, out / "target")
-    build_tiny_llama(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id)
-    return {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target")}
+    corpus = make_conversations(4000, seed + 1)
+    tok = build_tokenizer([m["content"] for c in corpus for m in c["messages"]], out / "target")
+    model = build_tiny_llama(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id)
+    losses = train_target(model, tok, corpus, train_steps, seed=seed)
+    model.save_pretrained(str(out / "target"))
+    info = {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target"),
+            "target_training_loss": losses}
+    (out / "target" / "demo_training.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """`python -m launch.pipeline --config run.yaml [--stages data] [--section.key value ...]`
 
 Runs the stages in order as the commands a user could type, printing each one, and skips a stage whose
-output manifest records the same config sections as the current config. Stages so far: data, extract (train, export, evaluate
-and smoke join as they land). Writes RUN_DIR/report.json.
+output records the same config sections as the current config (a dataset's manifest, the trainer's
+summary). Stages so far: data, extract, train (export, evaluate and smoke join as they land). Writes
+RUN_DIR/report.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -19,29 +21,53 @@ from data.prepare import samples_dir
 from data.shards import ShardError, atomic_write_json, read_manifest
 from extract.job import features_dir
 
-# stage -> (the directory whose manifest marks it complete, the config sections its output depends on)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _manifest(directory) -> dict | None:
+    try:
+        return read_manifest(directory)
+    except ShardError:
+        return None
+
+
+def _train_summary(cfg: EyrieConfig) -> dict | None:
+    path = Path(cfg.run_dir) / "train" / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# stage -> (its completion record: a dict with the config it was made with, the config parts it depends on)
 STAGES = {
-    "data": (samples_dir, ("target", "data")),
-    "extract": (features_dir, ("target", "data", "extract")),
+    "data": (lambda cfg: _manifest(samples_dir(cfg)), ("target", "data")),
+    "extract": (lambda cfg: _manifest(features_dir(cfg)), ("target", "data", "extract")),
+    "train": (_train_summary, ("seed", "target", "data", "extract", "train")),
 }
 
 
 def stage_done(cfg: EyrieConfig, stage: str) -> dict | None:
-    """The stage's manifest if it is complete for this config, else None."""
-    directory, sections = STAGES[stage]
-    try:
-        manifest = read_manifest(directory(cfg))
-    except ShardError:
+    """The stage's completion record if it is complete for this config, else None."""
+    record_of, sections = STAGES[stage]
+    record = record_of(cfg)
+    if record is None:
         return None
     current = cfg.model_dump(mode="json")
-    same = all(manifest.get("config", {}).get(s) == current[s] for s in sections)
-    return manifest if same else None
+    return record if all(record.get("config", {}).get(s) == current[s] for s in sections) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[str]:
     if stage == "extract":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                 str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]
+    if stage == "train":
+        launcher = Path(sys.executable).parent / "deepspeed"
+        return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(cfg.train.nproc_per_node),
+                "--master_port", str(_free_port()), str(ROOT / "train" / "main.py"), "--config", config, *overrides]
     return [sys.executable, "-m", stage, "--config", config, *overrides]
 
 
@@ -81,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["features"] = {"dir": str(features_dir(cfg)), **features["totals"],
                               "skipped": features["skipped"],
                               "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
+    trained = stage_done(cfg, "train")
+    if trained:
+        report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}\n{json.dumps(report, indent=1)}")
     return report
