@@ -54,6 +54,13 @@ def stage_done(cfg: EyrieConfig, stage: str) -> dict | None:
     return record if all(record.get("config", {}).get(s) == current[s] for s in sections) else None
 
 
+def _move_aside(path: Path) -> Path:
+    n = 1
+    while path.with_name(f"{path.name}.prev-{n}").exists():
+        n += 1
+    return path.rename(path.with_name(f"{path.name}.prev-{n}"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
         if stage_done(cfg, stage):
             print(f"[pipeline] {stage}: complete for this config, skipped", flush=True)
             continue
+        if stage == "train" and _train_summary(cfg):  # a finished run for another config: keep it, start anew
+            moved = _move_aside(run_dir / "train")
+            print(f"[pipeline] train: {run_dir / 'train'} was trained for another config; moved to {moved}",
+                  flush=True)
         cmd = stage_command(cfg, stage, args.config, overrides)
         print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
         start = time.time()

@@ -7,7 +7,6 @@ checkpoints → summary. Reads RUN_DIR/features and RUN_DIR/data/draft_vocab.saf
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -37,6 +36,14 @@ from train.ttt import ttt_unroll
 
 def train_dir(cfg: EyrieConfig) -> Path:
     return Path(cfg.run_dir) / "train"
+
+
+def resume_key(cfg: EyrieConfig) -> dict:
+    """What a checkpoint must share with the config to be resumed: all but the run's length and cadence."""
+    train = cfg.train.model_dump(mode="json", exclude={"max_steps", "epochs", "eval_every", "save_every",
+                                                       "log_every", "keep_last", "activation_checkpointing"})
+    return {"seed": cfg.seed, "train": train} | {s: getattr(cfg, s).model_dump(mode="json")
+                                                 for s in ("target", "data", "extract")}
 
 
 def setup_distributed() -> torch.device:
@@ -118,16 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     engine = init_engine(model, deepspeed_config(tc, total, bf16, args.deepspeed_config))
     dtype = torch.bfloat16 if bf16 else torch.float32
     checkpoints = Checkpoints(out / "checkpoints", tc.keep_last)
-    previous = out / "drafter_config.json"
-    if (out / "checkpoints" / "latest").exists() and previous.exists() and \
-            json.loads(previous.read_text()) != json.loads(model.config.to_json_string()):
-        raise SystemExit(f"{out / 'checkpoints'} holds a drafter of another shape or vocab than this config's; "
-                         "use another run_dir or remove the checkpoints")
-    state = checkpoints.resume(engine) or {"step": 0, "epoch": 0, "micro": 0, "tokens": 0}
+    state = checkpoints.resume(engine) or {"step": 0, "epoch": 0, "micro": 0, "tokens": 0,
+                                            "resume_key": resume_key(cfg)}
+    if state["resume_key"] != resume_key(cfg):
+        changed = sorted(k for k in state["resume_key"] if state["resume_key"][k] != resume_key(cfg).get(k))
+        raise SystemExit(f"{out / 'checkpoints'} was trained with other settings ({', '.join(changed)}); "
+                         "use another run_dir or remove it")
     best = (checkpoints.best() or {}).get("accept_length", 0.0)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "drafter_config.json", json.loads(model.config.to_json_string()))
+        atomic_write_json(out / "drafter_config.json", model.config.to_dict())
     log = Logger(out, total, state["step"], enabled=rank == 0)
     log.message(f"[train] {len(data.train_idx)} train / {len(data.eval_idx)} eval samples, {world} ranks, "
                 f"{steps_per_epoch} steps per epoch, {total} steps, padding "
