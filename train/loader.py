@@ -127,24 +127,40 @@ class FeatureData:
         """(epoch, micro index, batch, seconds the consumer waited for it) from (epoch, micro) on; a thread
         collates ahead so the step rarely waits."""
         q: queue.Queue = queue.Queue(maxsize=4)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
 
         def produce():
             try:
                 for e in range(epoch, epochs):
                     plan = self.epoch_plan(e)
                     for m in range(micro if e == epoch else 0, len(plan)):
-                        q.put((e, m, self.collate(plan[m], pin)))
-                q.put(None)
+                        if not put((e, m, self.collate(plan[m], pin))):
+                            return
+                put(None)
             except BaseException as err:  # surfaces in the consumer instead of hanging it
-                q.put(err)
+                put(err)
 
-        threading.Thread(target=produce, daemon=True).start()
-        while True:
-            t0 = time.perf_counter()
-            item = q.get()
-            waited = time.perf_counter() - t0
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield (*item, waited)
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = q.get()
+                waited = time.perf_counter() - t0
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield (*item, waited)
+        finally:  # the consumer stopped early (max_steps) or failed: end the thread before the process exits
+            stop.set()
+            thread.join()

@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
     step, eval_metrics = state["step"], None
     epochs_needed = math.ceil(total / steps_per_epoch) + 1
-    for epoch, micro, batch, wait in data.stream(state["epoch"], state["micro"], epochs_needed,
-                                                 pin=device.type == "cuda"):
+    stream = data.stream(state["epoch"], state["micro"], epochs_needed, pin=device.type == "cuda")
+    for epoch, micro, batch, wait in stream:
         if step >= total:
             break
         b = batch.to(device, dtype)
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
             if new_best:
                 best = eval_metrics["accept_length"]
                 checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+        if step >= total:
+            break
+    stream.close()
     log.close()
     if rank == 0:
         atomic_write_json(out / "summary.json", {
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             "eval": eval_metrics, "aux_layer_ids": data.meta["aux_layer_ids"],
             "config": cfg.model_dump(mode="json")})
     dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

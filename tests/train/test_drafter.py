@@ -194,3 +194,38 @@ def test_overfits_one_batch(drafter, features_run):
     assert float(r.correct[0] / r.counted[0]) > 0.95
     # a chain also stops where the next target argmax is outside the draft vocab (frequent for this random target)
     assert ttt.accept_length(float(r.accepted), float(r.chains)) > 2.0
+
+
+def test_activation_checkpointing_gives_the_same_gradients(drafter):
+    torch.manual_seed(2)
+    ids = torch.randint(0, drafter.config.vocab_size, (2, 24))
+    aux = torch.randn(2, 24, 3 * drafter.config.target_hidden_size)
+    grads = []
+    for flag in (False, True):
+        drafter.activation_checkpointing = flag
+        hidden, past, total = aux, [], 0
+        for j in range(3):
+            out = drafter(ttt._shift(ids, j + 1), hidden, torch.arange(24)[None] + j, past)
+            hidden, past = out.hidden, past + [(out.key, out.value)]
+            total = total + out.logits.square().mean()
+        total.backward()
+        grads.append(drafter.fc.weight.grad.clone())
+        drafter.zero_grad()
+    drafter.activation_checkpointing = False
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_warm_start_from_an_exported_drafter(drafter, tmp_path):
+    from train.engine import warm_start
+    exported = {k: v.clone() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(exported, str(tmp_path / "model.safetensors"))
+    fresh = Eagle3Drafter(drafter.config, drafter.d2t, drafter.t2d)
+    loaded = warm_start(fresh, tmp_path)
+    assert "midlayer.self_attn.q_proj.weight" in loaded and "embed_tokens.weight" not in loaded
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in exported.items())
+    save_file(exported | {"d2t": torch.roll(drafter.d2t, 1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t differs"):
+        warm_start(fresh, tmp_path)
+    save_file(exported | {"midlayer.extra.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="midlayer.extra.weight"):
+        warm_start(fresh, tmp_path)
