@@ -1,0 +1,117 @@
+"""SGLang's EAGLE-3 drafter directory: what `LlamaForCausalLMEagle3` loads, and its validation.
+
+A directory holds `config.json` (architectures `LlamaForCausalLMEagle3`, `num_hidden_layers: 1`, `vocab_size`
+= the target's, `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, RoPE in both the
+transformers-5 and the legacy form, `eagle_config.eagle_aux_hidden_state_layer_ids`) and safetensors with
+exactly the drafter's tensors: SGLang silently skips unknown names and a missing `d2t`, so every check that
+matters happens here, before a server ever sees the directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig
+
+from data.vocab import check_draft_vocab
+
+
+class DrafterDirError(ValueError):
+    pass
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    H, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    I = config.intermediate_size
+    shapes = {
+        "fc.weight": (H, 3 * config.target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,), "lm_head.weight": (config.draft_vocab_size, H),
+        "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,),
+    }
+    if config.hidden_size != config.target_hidden_size:  # the target's embedding does not fit: ship our own
+        shapes["embed_tokens.weight"] = (config.vocab_size, H)
+    return shapes
+
+
+def sglang_config(config: LlamaConfig) -> dict:
+    """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
+    out = config.to_dict()
+    rope = dict(out.get("rope_parameters") or {})
+    out |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "rope_theta": rope.get("rope_theta", 10000.0),
+            "rope_scaling": None if rope.get("rope_type", "default") == "default" else
+            {k: v for k, v in rope.items() if k != "rope_theta"}}
+    out["eagle_config"] = dict(out["eagle_config"]) | {"use_aux_hidden_state": True}
+    return out
+
+
+def read_config(directory: str | Path) -> LlamaConfig:
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DrafterDirError(f"{path}: missing") from None
+    missing = [k for k in ("hidden_size", "vocab_size", "draft_vocab_size") if raw.get(k) is None]
+    if missing:
+        raise DrafterDirError(f"{path}: no {', '.join(missing)}")
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise DrafterDirError(f"{path}: no eagle_config.eagle_aux_hidden_state_layer_ids; an imported drafter's "
+                              "layer ids are read, never assumed")
+    raw.setdefault("target_hidden_size", raw["hidden_size"])
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
+
+
+def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise DrafterDirError(f"{directory}: no safetensors")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                # some publishers prefix the names with "model."; SGLang strips it the same way
+                name = k[len("model."):] if k.startswith("model.") else k
+                tensors[name] = fh.get_tensor(k)
+    return tensors
+
+
+def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], where: str,
+             layer_ids: list[int] | None = None) -> None:
+    """Exact key set and shapes against the config, d2t consistent with t2d, layer ids as expected."""
+    problems = []
+    if config.num_hidden_layers != 1:
+        problems.append(f"num_hidden_layers is {config.num_hidden_layers}, this format has one layer")
+    if getattr(config, "tie_word_embeddings", False):
+        problems.append("tie_word_embeddings must be false (the lm_head is over the draft vocab)")
+    want = expected_shapes(config)
+    for name in sorted(set(want) - set(tensors)):
+        problems.append(f"missing tensor {name}")
+    for name in sorted(set(tensors) - set(want)):
+        problems.append(f"unexpected tensor {name} (SGLang would skip it silently)")
+    for name in sorted(set(want) & set(tensors)):
+        if tuple(tensors[name].shape) != want[name]:
+            problems.append(f"{name} has shape {list(tensors[name].shape)}, the config implies {list(want[name])}")
+    if "d2t" in tensors and "t2d" in tensors and not problems:
+        try:
+            check_draft_vocab(tensors["d2t"], tensors["t2d"])
+        except ValueError as e:
+            problems.append(str(e))
+    ids = config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    if layer_ids is not None and list(ids) != list(layer_ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} differ from the training shards' {layer_ids}")
+    if problems:
+        raise DrafterDirError(f"{where}: not a valid SGLang EAGLE-3 drafter:\n  " + "\n  ".join(problems))

@@ -1,0 +1,150 @@
+"""Export a trained drafter for SGLang, or import a third-party one.
+
+    python -m serve.export --checkpoint RUN_DIR [--tag latest|best|stepN] --out DRAFTER_DIR
+    python -m serve.export --from-sglang DIR --out DRAFTER_DIR
+
+Export consolidates the DeepSpeed checkpoint (any ZeRO stage, with DeepSpeed's zero_to_fp32), writes
+`config.json` + `model.safetensors` (bf16 weights, int64 `d2t`, bool `t2d`) + a model card, validates the key
+set, shapes, vocab and layer ids, and then, when sglang is importable, loads the directory through SGLang's
+own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config),
+validates it the same way and writes it in this layout: `train.warm_start` and `serve.evaluate` take it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from data.shards import atomic_write_json, read_manifest
+
+from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
+
+
+def resolve_tag(checkpoints: Path, tag: str) -> str:
+    if tag == "latest":
+        return (checkpoints / "latest").read_text().strip()
+    if tag == "best":
+        best = checkpoints / "best.json"
+        if not best.exists():
+            raise DrafterDirError(f"{best}: no best checkpoint recorded (no eval ran); use --tag latest")
+        return json.loads(best.read_text())["tag"]
+    if not (checkpoints / tag).is_dir():
+        raise DrafterDirError(f"{checkpoints / tag}: no such checkpoint (have: "
+                              f"{', '.join(sorted(p.name for p in checkpoints.glob('step*')))})")
+    return tag
+
+
+def consolidate(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The trained weights of one tag, whatever the ZeRO stage and rank count."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag, exclude_frozen_parameters=True)
+
+
+def write_drafter_dir(out: Path, config: LlamaConfig, tensors: dict[str, torch.Tensor], card: str) -> None:
+    tensors = {k: v.to(torch.bfloat16).contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in tensors.items()}
+    tensors["d2t"], tensors["t2d"] = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
+    validate(config, tensors, str(out))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", sglang_config(config))
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def model_card(config: LlamaConfig, summary: dict, tag: str, features: dict) -> str:
+    c, best = summary["config"], summary.get("best") or {}
+    ev = summary.get("eval") or {}
+    acc = ", ".join(f"{ev[k]:.3f}" for k in sorted(k for k in ev if k.startswith("acc_step")))
+    return f"""# EAGLE-3 drafter (exported by Eyrie)
+
+- Target: `{c['target']['path']}` (config hash {features['meta']['target_config_hash']}), aux layer ids
+  {config.eagle_config['eagle_aux_hidden_state_layer_ids']} (SGLang convention: output of decoder layer i)
+- Data: {features['totals']['rows']} samples, {features['totals']['tokens']} tokens from {c['data']['inputs']}
+- Drafter: hidden {config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, MLP
+  {config.intermediate_size}, draft vocab {config.draft_vocab_size} of {config.vocab_size}
+- Training: checkpoint `{tag}` of {summary['steps']} steps, {summary['tokens']} tokens, {summary['world_size']} ranks,
+  TTT {c['train']['ttt_steps']} steps
+- Measured on held-out samples (offline, teacher-forced chains of {c['train']['ttt_steps']} drafts):
+  accept length {ev.get('accept_length', float('nan')):.3f} (tokens per target verify step, = SGLang's
+  spec_accept_length for chain drafting, top-k 1) at the final step; best {best.get('accept_length', float('nan')):.3f}
+  at `{best.get('tag', '-')}`; per-step accuracy (draft argmax == target argmax) {acc or '-'}
+
+Serve: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3
+--speculative-draft-model-path THIS_DIR --speculative-num-steps 3 --speculative-eagle-topk 1
+--speculative-num-draft-tokens 4`
+"""
+
+
+def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bool = True) -> dict:
+    run_dir, out = Path(run_dir), Path(out)
+    checkpoints = run_dir / "train" / "checkpoints"
+    if not (checkpoints / "latest").exists():
+        raise DrafterDirError(f"{checkpoints}: no checkpoint (train first: deepspeed train/main.py ...)")
+    tag = resolve_tag(checkpoints, tag)
+    config = LlamaConfig(**json.loads((run_dir / "train" / "drafter_config.json").read_text()))
+    weights = consolidate(checkpoints, tag)
+    tensors = {k: v for k, v in weights.items() if k in expected_shapes(config)}
+    features = read_manifest(run_dir / "features")
+    validate(config, tensors, str(checkpoints / tag), layer_ids=features["meta"]["aux_layer_ids"])
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    write_drafter_dir(out, config, tensors, model_card(config, summary, tag, features))
+    report = {"drafter": str(out), "tag": tag, "tensors": len(tensors)}
+    if check_with_sglang:
+        report["sglang_check"] = maybe_check_with_sglang(out)
+    return report
+
+
+def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = True) -> dict:
+    """A published drafter into this layout; `t2d` is derived from `d2t` when the publisher left it out."""
+    config, tensors = read_config(src), read_tensors(src)
+    if "d2t" in tensors and "t2d" not in tensors:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(tensors["d2t"])) + tensors["d2t"]] = True
+        tensors["t2d"] = t2d
+    validate(config, tensors, str(src))
+    card = f"# EAGLE-3 drafter imported from `{src}`\n\nAux layer ids (read from its config): " \
+           f"{config.eagle_config['eagle_aux_hidden_state_layer_ids']}\n"
+    write_drafter_dir(Path(out), config, tensors, card)
+    report = {"drafter": str(out), "imported_from": str(src), "tensors": len(tensors)}
+    if check_with_sglang:
+        report["sglang_check"] = maybe_check_with_sglang(Path(out))
+    return report
+
+
+def maybe_check_with_sglang(directory: Path) -> dict | str:
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        return "not run: sglang is not installed (pip install -e '.[sglang]')"
+    from .sglang_check import check_in_subprocess
+    return check_in_subprocess(directory)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a run directory (RUN_DIR) with train/checkpoints")
+    src.add_argument("--from-sglang", help="a published EAGLE-3 drafter directory to import")
+    p.add_argument("--tag", default="latest", help="latest | best | stepN")
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-sglang-check", action="store_true", help="skip loading the result with SGLang's loader")
+    a = p.parse_args(argv)
+    try:
+        report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
+            import_sglang(a.from_sglang, a.out, not a.no_sglang_check)
+    except DrafterDirError as e:
+        p.exit(1, f"error: {e}\n")
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

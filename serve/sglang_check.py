@@ -1,0 +1,157 @@
+"""Load a drafter directory through SGLang's own loader, on CPU, and prove every tensor landed.
+
+    python -m serve.sglang_check DRAFTER_DIR     (prints a JSON report; exit 1 when the check fails)
+
+`ModelConfig.from_server_args(..., is_draft_model=True)` + `get_model` resolve the architecture the way the
+server does. Loading without an error proves nothing: `load_weights` silently skips unknown names and a
+missing `d2t`. So every parameter is filled with NaN first (by wrapping `load_weights`), and afterwards
+every parameter must be finite, every tensor of the file must have been consumed, and the hot-token map
+must equal d2t. Runs in a subprocess: SGLang's process-wide state (server args, process groups) stays
+out of the caller.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+
+def _stub_modules() -> None:
+    """Imports SGLang makes on its way that cannot be satisfied on a CPU machine (never called there)."""
+    custom_ops = types.ModuleType("vllm._custom_ops")
+
+    def rotary_embedding(*_args, **_kwargs):
+        raise RuntimeError("vllm rotary kernel is not available on CPU")
+    custom_ops.rotary_embedding = rotary_embedding
+    vllm = sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+    vllm._custom_ops = custom_ops
+    sys.modules["vllm._custom_ops"] = custom_ops
+    import transformers  # noqa: F401  (before the torchvision probe: transformers checks it itself)
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # missing (its wheels pull a CUDA torch): vision configs only name it at import
+        import importlib.abc
+        import importlib.machinery
+
+        class Stub(types.ModuleType):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return type(name, (), {})
+
+        class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path=None, target=None):
+                if name == "torchvision" or name.startswith("torchvision."):
+                    return importlib.machinery.ModuleSpec(name, self, is_package=True)
+                return None
+
+            def create_module(self, spec):
+                module = Stub(spec.name)
+                module.__path__ = []
+                return module
+
+            def exec_module(self, module):
+                pass
+        sys.modules.pop("torchvision", None)
+        sys.meta_path.insert(0, Finder())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check(directory: str | Path) -> dict:
+    from safetensors import safe_open
+    _stub_modules()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.server_args import ServerArgs
+
+    directory = str(Path(directory).resolve())
+    args = ServerArgs(model_path=directory, device="cpu", dtype="bfloat16")
+    try:  # newer SGLang: a runtime context with this process's place in the topology
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    except ImportError:  # 0.5.14: the global server args
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+        set_global_server_args_for_scheduler(args)
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+    initialize_model_parallel(backend="gloo")
+
+    file_names: set[str] = set()
+    for f in Path(directory).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            file_names |= set(fh.keys())
+    consumed: set[str] = set()
+    original = LlamaForCausalLMEagle3.load_weights
+
+    def load_weights(self, weights):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(float("nan"))
+
+        def seen():
+            for name, tensor in weights:
+                consumed.add(name)
+                yield name, tensor
+        return original(self, seen())
+
+    LlamaForCausalLMEagle3.load_weights = load_weights
+    try:
+        model_config = ModelConfig.from_server_args(args, model_path=directory, is_draft_model=True)
+        model = get_model(model_config=model_config, load_config=LoadConfig(load_format="auto"),
+                          device_config=DeviceConfig(device="cpu"))
+    finally:
+        LlamaForCausalLMEagle3.load_weights = original
+
+    unwritten = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    # the embedding is the target's unless the drafter ships one; SGLang shares it at serve time
+    unwritten = [n for n in unwritten if not (n.endswith("embed_tokens.weight") and
+                                              "embed_tokens.weight" not in file_names)]
+    problems = [f"parameter {n} was not written by the file (NaN left)" for n in unwritten]
+    problems += [f"tensor {n} in the file was never read" for n in sorted(file_names - consumed)]
+    hot = model.get_hot_token_id()
+    with safe_open(str(next(Path(directory).glob("*.safetensors"))), "pt") as fh:
+        d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
+    if hot is None or d2t is None:
+        problems.append("no d2t: SGLang would draft over target ids with a draft-vocab head")
+    elif not torch.equal(hot.cpu(), d2t + torch.arange(len(d2t))):
+        problems.append("SGLang's hot-token map differs from d2t")
+    return {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
+            "tensors_in_file": len(file_names), "problems": problems, "ok": not problems}
+
+
+def check_in_subprocess(directory: str | Path, timeout: float = 600) -> dict:
+    out = subprocess.run([sys.executable, "-m", "serve.sglang_check", str(directory)], capture_output=True,
+                         text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    lines = out.stdout.strip().splitlines()
+    try:
+        report = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"SGLang loader check crashed for {directory}:\n{out.stdout[-3000:]}\n"
+                           f"{out.stderr[-3000:]}") from None
+    if not report["ok"]:
+        from .drafter_dir import DrafterDirError
+        raise DrafterDirError(f"{directory}: SGLang's loader check failed:\n  " + "\n  ".join(report["problems"]))
+    return report
+
+
+if __name__ == "__main__":
+    result = check(sys.argv[1])
+    print(json.dumps(result))
+    sys.exit(0 if result["ok"] else 1)
