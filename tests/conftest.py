@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from launch.demo_target import build_tokenizer, make_conversations  # noqa: E402
 from tests.templates import SPECIALS  # noqa: E402
+from tests.train_runs import TRAIN  # noqa: E402
 
 
 def _corpus() -> list[str]:
@@ -43,3 +44,51 @@ def tiny_target(make_tokenizer, tmp_path_factory):
     build_tiny_llama(out, vocab_size=len(tok), hidden=32, layers=4, heads=4, seed=0,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     return out
+
+
+@pytest.fixture(scope="session")
+def features_run(make_tokenizer, tmp_path_factory):
+    """A run directory with prepared samples and extracted features of a tiny target whose distributions are
+    peaked (large init), so the teacher has argmaxes worth learning. Returns (config path, raw config dict)."""
+    import json
+
+    from data.config import load_config
+    from data.prepare import prepare
+    from extract.job import run as extract
+    from launch.demo_target import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("train-run")
+    tok = make_tokenizer("llama3")
+    target = root / "target"
+    tok.save_pretrained(str(target))
+    build_tiny_llama(target, vocab_size=len(tok), hidden=32, layers=4, heads=4, seed=1, initializer_range=0.3,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    convs = root / "c.jsonl"
+    convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(160, seed=3)))
+    raw = {"run_dir": str(root / "run"), "seed": 0,
+           "target": {"path": str(target), "aux_layer_ids": [0, 1, 2]},
+           "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 128, "samples_per_shard": 50},
+           "extract": {"samples_per_shard": 50},
+           "train": TRAIN}
+    config = root / "run.yaml"
+    config.write_text(json.dumps(raw))
+    cfg = load_config(config)
+    prepare(cfg)
+    extract(cfg)
+    return config, raw
+
+
+@pytest.fixture(scope="session")
+def zero2_run(features_run, tmp_path_factory):
+    """A finished two-rank ZeRO-2 training run: (run dir, launcher output)."""
+    from tests.train_runs import finish, launch, with_run_dir
+    run = tmp_path_factory.mktemp("zero2") / "run"
+    return run, finish(launch(with_run_dir(features_run, run)))
+
+
+@pytest.fixture(scope="session")
+def zero3_run(features_run, tmp_path_factory):
+    """The same run under ZeRO-3 (parameters partitioned across the ranks)."""
+    from tests.train_runs import TRAIN, finish, launch, with_run_dir
+    run = tmp_path_factory.mktemp("zero3") / "run"
+    return run, finish(launch(with_run_dir(features_run, run, optim=TRAIN["optim"] | {"zero_stage": 3})))

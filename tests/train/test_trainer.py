@@ -3,63 +3,18 @@ eval, and a killed run that resumes onto the same loss curve."""
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from data.config import ConfigError, TrainConfig
-from tests.train.conftest import with_run_dir
+from tests.train_runs import finish, launch, losses, with_run_dir
 from train.engine import deepspeed_config
-
-ROOT = Path(__file__).resolve().parents[2]
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(config: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "train/main.py", "--config",
-           str(config), *overrides]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-6000:]
-    return out
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Per-step training loss from the JSONL log (the last record of a step wins: a resumed run re-logs)."""
-    rows = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
-
-
-@pytest.fixture(scope="module")
-def zero2_run(features_run, tmp_path_factory):
-    run = tmp_path_factory.mktemp("zero2") / "run"
-    out = finish(launch(with_run_dir(features_run, run)))
-    return run, out
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_train(stage, zero2_run, features_run, tmp_path):
-    if stage == 2:
-        run, out = zero2_run
-    else:
-        run = tmp_path / "run"
-        out = finish(launch(with_run_dir(features_run, run, optim={"lr": 1e-2, "warmup_steps": 2,
-                                                                    "zero_stage": 3})))
+def test_two_ranks_train(stage, zero2_run, zero3_run):
+    run, out = zero2_run if stage == 2 else zero3_run
     curve = losses(run)
     assert sorted(curve) == list(range(1, 13))
     assert curve[12] < curve[1] - 0.5, curve  # the loss falls (12 steps from scratch)

@@ -1,0 +1,95 @@
+"""Export: DeepSpeed checkpoints of ZeRO-2 and ZeRO-3 → SGLang drafter dirs that SGLang's own loader accepts,
+re-import equal to the trainer's weights, and broken drafters rejected by both checks."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from serve.drafter_dir import DrafterDirError, read_config, read_tensors, validate
+from serve.export import consolidate, export, import_sglang
+
+try:
+    import sglang  # noqa: F401
+    HAVE_SGLANG = True
+except ImportError:
+    HAVE_SGLANG = False
+needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="not run: SGLang's loader check needs sglang "
+                                  "(sh serve/install_sglang_cpu.sh installs its CPU-loadable part)")
+
+
+@pytest.fixture(scope="module")
+def exported(zero2_run, zero3_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exported")
+    reports = {stage: export(run, "latest", out / f"zero{stage}", check_with_sglang=HAVE_SGLANG)
+               for stage, (run, _) in ((2, zero2_run), (3, zero3_run))}
+    return out, reports
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_export_round_trip(stage, exported, zero2_run, zero3_run):
+    out, reports = exported
+    run = (zero2_run if stage == 2 else zero3_run)[0]
+    drafter = out / f"zero{stage}"
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == 128
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and "rope_scaling" in config
+    tensors = load_file(str(drafter / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors  # same hidden size as the target: SGLang shares the target's
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    trained = consolidate(run / "train" / "checkpoints", "step12")
+    for name, t in tensors.items():
+        want = trained[name]
+        assert torch.equal(t, want.to(torch.bfloat16) if want.is_floating_point() else want.to(t.dtype)), name
+    again = import_sglang(drafter, out / f"reimported{stage}", check_with_sglang=False)
+    assert again["tensors"] == len(tensors)
+    back = read_tensors(out / f"reimported{stage}")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert "accept length" in (drafter / "README.md").read_text()
+    if HAVE_SGLANG:
+        assert reports[stage]["sglang_check"]["ok"], reports[stage]
+    # ZeRO-2 and ZeRO-3 trained the same drafter (up to reduction order)
+    other = load_file(str(out / f"zero{5 - stage}" / "model.safetensors"))
+    assert all(torch.allclose(v.float(), other[k].float(), atol=2e-2) for k, v in tensors.items())
+
+
+def _break(src, dst, how):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    if how == "misnamed tensor":
+        tensors["midlayer.mlp.upproj.weight"] = tensors.pop("midlayer.mlp.up_proj.weight")
+    elif how == "wrong shape":
+        tensors["fc.weight"] = tensors["fc.weight"][:, :-1].contiguous()
+    elif how == "missing d2t":
+        del tensors["d2t"]
+    elif how == "wrong draft_vocab_size":
+        config["draft_vocab_size"] += 1
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+BROKEN = ["misnamed tensor", "wrong shape", "missing d2t", "wrong draft_vocab_size"]
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_broken_drafters_fail_validation(how, exported, tmp_path):
+    bad = _break(exported[0] / "zero2", tmp_path / "bad", how)
+    with pytest.raises(DrafterDirError):
+        validate(read_config(bad), read_tensors(bad), str(bad))
+    with pytest.raises(DrafterDirError):
+        import_sglang(bad, tmp_path / "imported", check_with_sglang=False)
+
+
+@needs_sglang
+@pytest.mark.parametrize("how", BROKEN)
+def test_broken_drafters_fail_sglangs_own_loader(how, exported, tmp_path):
+    """Our validation aside, SGLang's loader check itself catches each (it would load most of them silently)."""
+    from serve.sglang_check import check_in_subprocess
+    bad = _break(exported[0] / "zero2", tmp_path / "bad", how)
+    with pytest.raises((DrafterDirError, RuntimeError)):
+        check_in_subprocess(bad)
