@@ -97,9 +97,15 @@ class TTTResult:
     loss: torch.Tensor           # Σ_j decay^j · loss_j, differentiable
     step_loss: torch.Tensor      # [k] soft cross-entropy per step (detached)
     correct: torch.Tensor        # [k] positions where the draft argmax (mapped via d2t) == the target's argmax
-    counted: torch.Tensor        # [k] positions scored per step
-    accepted: torch.Tensor       # Σ over chains of drafts accepted in a row (chain = positions scored at step 0)
+    counted: torch.Tensor        # [k] positions scored per step (target argmax outside the draft vocab included:
+                                 #     the draft is rejected there, as in serving)
+    alive: torch.Tensor          # [k] chains whose drafts 0..j were all accepted (a chain starts at every
+                                 #     position scored at step 0)
     chains: torch.Tensor         # number of chains
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.alive.sum()
 
 
 def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
@@ -114,14 +120,15 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     d2t = model.module.d2t if hasattr(model, "module") else model.d2t
     hidden, past = aux_hidden, []
     total = aux_hidden.new_zeros((), dtype=torch.float32)
-    step_loss, correct, counted = [], [], []
+    step_loss, correct, counted, alive = [], [], [], []
     chain = first = None
     for j in range(steps):
         out = model(_shift(input_ids, j + 1), hidden, positions + j, past)
         hidden, past = out.hidden, past + [(out.key, out.value)]
-        # Step j at t predicts x[t+j+2]: scored where that token carries loss and the target's own choice at
-        # t+j+1 is in the draft vocab (EAGLE-3 masks the rest).
-        mask = _shift(loss_mask, j + 2, False) & _shift(teacher.in_vocab, j + 1, False)
+        # Step j at t predicts x[t+j+2]: scored where that token carries loss; trained only where the target's
+        # own choice at t+j+1 is in the draft vocab (EAGLE-3 masks the rest: no draft could match it).
+        scored = _shift(loss_mask, j + 2, False)
+        mask = scored & _shift(teacher.in_vocab, j + 1, False)
         target_p = _shift(teacher.probs, j + 1)
         token_loss = -(target_p.float() * F.log_softmax(out.logits.float(), dim=-1)).sum(-1)
         n = mask.sum()
@@ -129,15 +136,15 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
         total = total + decay ** j * loss_j
         with torch.no_grad():
             draft = out.logits.argmax(-1)
-            hit = (draft + d2t[draft] == _shift(teacher.target_ids, j + 1)) & mask
-            first = mask if first is None else first
+            hit = (draft + d2t[draft] == _shift(teacher.target_ids, j + 1)) & scored
+            first = scored if first is None else first
             chain = hit if chain is None else chain & hit
             step_loss.append(loss_j.detach())
             correct.append(hit.sum())
-            counted.append(n)
-            accepted = chain.sum() if j == 0 else accepted + chain.sum()
-    return TTTResult(total, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), accepted,
-                     first.sum())
+            counted.append(scored.sum())
+            alive.append(chain.sum())
+    return TTTResult(total, torch.stack(step_loss), torch.stack(correct), torch.stack(counted),
+                     torch.stack(alive), first.sum())
 
 
 def accept_length(accepted: float, chains: float) -> float:

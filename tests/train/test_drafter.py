@@ -174,15 +174,16 @@ def test_loader_groups_lengths_resumes_and_splits_ranks(features_run):
 
 
 def test_overfits_one_batch(drafter, features_run):
-    """On one small batch the drafter learns the target's argmax: step-0 accuracy > 95%."""
+    """On one small batch the drafter learns the target's argmax: > 95% step-0 accuracy on the positions it
+    trains on (target argmax in the draft vocab; elsewhere no draft can match)."""
     cfg = load_config(features_run[0])
     data = FeatureData(features_dir(cfg), 0.1, 512, seed=0, rank=0, world=1)
     b = data.collate(data.epoch_plan(0)[0][:8])
-    t2d = drafter.t2d
-    teacher = Teacher.from_target(cfg.target.path, load_target_info(cfg.target.path).text_config, "post_norm",
-                                  t2d, torch.device("cpu"), torch.float32)(b.final_hidden)
+    info = load_target_info(cfg.target.path)
+    teacher = Teacher.from_target(cfg.target.path, info.text_config, "post_norm", drafter.t2d, torch.device("cpu"),
+                                  torch.float32)(b.final_hidden)
     torch.manual_seed(0)
-    model = Eagle3Drafter(drafter.config, drafter.d2t, t2d)
+    model = Eagle3Drafter(drafter.config, drafter.d2t, drafter.t2d)
     model.embed_tokens.weight.data.copy_(load_target_tensors(cfg.target.path, ["embed"])["embed"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(150):
@@ -190,10 +191,10 @@ def test_overfits_one_batch(drafter, features_run):
         opt.zero_grad()
         r.loss.backward()
         opt.step()
-    assert int(r.counted[0]) > 40  # positions whose target argmax is in the draft vocab
-    assert float(r.correct[0] / r.counted[0]) > 0.95
-    # a chain also stops where the next target argmax is outside the draft vocab (frequent for this random target)
-    assert ttt.accept_length(float(r.accepted), float(r.chains)) > 2.0
+    trained = ttt._shift(b.loss_mask, 2, False) & ttt._shift(teacher.in_vocab, 1, False)
+    assert int(trained.sum()) > 40
+    assert float(r.correct[0]) / int(trained.sum()) > 0.95
+    assert int(r.counted[0]) > int(trained.sum())  # acceptance counts the out-of-vocab positions as misses
 
 
 def test_activation_checkpointing_gives_the_same_gradients(drafter):
