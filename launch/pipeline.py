@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -72,8 +73,10 @@ def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                 str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]
     if stage == "train":
-        launcher = Path(sys.executable).parent / "deepspeed"
-        return [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", str(cfg.train.nproc_per_node),
+        found = Path(sys.executable).parent / "deepspeed"
+        launcher = [str(found)] if found.exists() else [shutil.which("deepspeed")] if shutil.which("deepspeed") \
+            else [sys.executable, "-m", "deepspeed.launcher.runner"]
+        return [*launcher, "--num_gpus", str(cfg.train.nproc_per_node),
                 "--master_port", str(_free_port()), str(ROOT / "train" / "main.py"), "--config", config, *overrides]
     return [sys.executable, "-m", stage, "--config", config, *overrides]
 
