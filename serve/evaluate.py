@@ -1,0 +1,150 @@
+"""Offline acceptance of exported drafters (ours or a third party's) on stored target features, no server.
+
+    python -m serve.evaluate --drafter DIR [--drafter DIR2 ...] --run RUN_DIR [--split eval|all]
+                             [--steps 7] [--draft-cost 0.05] [--out REPORT_DIR]
+
+For every position of the chosen samples the drafter drafts a chain of `--steps` tokens from the target's
+stored states (teacher forcing: exact when the data are the target's own greedy outputs, as with
+`data.regenerate`); draft j is accepted while drafts 0..j all equal the target's argmax. Reported per drafter:
+
+- acceptance by position: alpha_j = P(draft j accepted | drafts < j accepted)
+- accept length tau(k) = 1 + sum_{j<k} P(drafts 0..j accepted): tokens per target verify step (SGLang's
+  spec_accept_length) for chain drafting with k steps, top-k 1
+- expected speedup(k) = tau(k) / (1 + k * c), c = one draft step's cost relative to a target verify step
+  (`--draft-cost`; ~0.02-0.05 for a one-layer drafter on a large target)
+
+Writes REPORT_DIR/evaluate.json and acceptance.png (one line per drafter).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.shards import read_manifest
+from data.target import load_target_info
+from train.drafter import Eagle3Drafter
+from train.loader import FeatureData, length_grouped_batches
+from train.teacher import Teacher, load_target_tensors
+from train.ttt import ttt_unroll
+
+from .drafter_dir import DrafterDirError, read_config, read_tensors, validate
+
+
+def load_drafter(directory: str | Path, target: str | Path, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """An exported (SGLang-format) drafter as a module; the embedding is the target's unless it ships one."""
+    config, tensors = read_config(directory), read_tensors(directory)
+    validate(config, tensors, str(directory))
+    model = Eagle3Drafter(config, tensors.pop("d2t"), tensors.pop("t2d"))
+    if "embed_tokens.weight" not in tensors:
+        tensors["embed_tokens.weight"] = load_target_tensors(target, ["embed"])["embed"]
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    return model.to(device, dtype).eval()
+
+
+@torch.no_grad()
+def acceptance(drafter: Eagle3Drafter, data: FeatureData, indices: list[list[int]], teacher: Teacher,
+               steps: int, device: torch.device, dtype: torch.dtype) -> dict:
+    alive, chains = torch.zeros(steps, dtype=torch.float64), 0.0
+    for batch in indices:
+        b = data.collate(batch).to(device, dtype)
+        r = ttt_unroll(drafter, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden), steps, 1.0)
+        alive += r.alive.double().cpu()
+        chains += float(r.chains)
+    p = (alive / max(chains, 1.0)).tolist()  # P(drafts 0..j accepted)
+    alpha = [p[0]] + [p[j] / p[j - 1] if p[j - 1] else 0.0 for j in range(1, steps)]
+    tau = [1.0 + sum(p[:k]) for k in range(1, steps + 1)]
+    return {"chains": int(chains), "p_accepted_through": p, "alpha_by_position": alpha, "accept_length_by_steps": tau}
+
+
+def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,
+             draft_cost: float = 0.05, max_batch_tokens: int = 8192, eval_fraction: float | None = None) -> dict:
+    run_dir = Path(run_dir)
+    features = read_manifest(run_dir / "features")
+    config = json.loads((run_dir / "train" / "summary.json").read_text())["config"] \
+        if (run_dir / "train" / "summary.json").exists() else None
+    target = features["meta"]["target_id"]
+    fraction = eval_fraction if eval_fraction is not None else (config["train"]["eval_fraction"] if config else 0.05)
+    data = FeatureData(run_dir / "features", fraction, max_batch_tokens, seed=0, rank=0, world=1)
+    picked = data.eval_idx if split == "eval" else np.arange(len(data.ds))
+    batches = length_grouped_batches(data.lengths, picked, max_batch_tokens, None)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info = load_target_info(target)
+    report = {"features": str(run_dir / "features"), "split": split, "samples": int(len(picked)), "steps": steps,
+              "draft_cost": draft_cost, "formulas": {
+                  "alpha_j": "P(draft j accepted | drafts < j accepted)",
+                  "accept_length(k)": "1 + sum_{j<k} P(drafts 0..j accepted) = tokens per target verify step",
+                  "speedup(k)": "accept_length(k) / (1 + k * draft_cost)"}, "drafters": {}}
+    for path in drafters:
+        model = load_drafter(path, target, device, dtype)
+        ids = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+        if list(ids) != list(features["meta"]["aux_layer_ids"]):
+            raise DrafterDirError(f"{path}: reads layers {ids}, but {run_dir / 'features'} holds layers "
+                                  f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
+        teacher = Teacher.from_target(target, info.text_config, features["meta"]["final_hidden"], model.t2d, device,
+                                      dtype)
+        result = acceptance(model, data, batches, teacher, steps, device, dtype)
+        result["speedup_by_steps"] = [t / (1 + (k + 1) * draft_cost)
+                                      for k, t in enumerate(result["accept_length_by_steps"])]
+        report["drafters"][str(path)] = result
+    return report
+
+
+def print_table(report: dict) -> None:
+    names = list(report["drafters"])
+    print(f"{report['samples']} samples ({report['split']}), chain drafting, top-k 1; "
+          f"speedup = accept_length / (1 + steps x {report['draft_cost']})")
+    print(f"{'steps':>5} " + " ".join(f"{'alpha':>7} {'accept':>7} {'speedup':>7}" for _ in names))
+    for k in range(report["steps"]):
+        cells = []
+        for n in names:
+            r = report["drafters"][n]
+            cells.append(f"{r['alpha_by_position'][k]:7.3f} {r['accept_length_by_steps'][k]:7.3f} "
+                         f"{r['speedup_by_steps'][k]:7.3f}")
+        print(f"{k + 1:>5} " + " ".join(cells))
+    for i, n in enumerate(names):
+        print(f"  drafter {i + 1}: {n}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in report["drafters"].items():
+        ax.plot(range(1, report["steps"] + 1), r["alpha_by_position"], marker="o",
+                label=f"{Path(name).name} (accept length {r['accept_length_by_steps'][-1]:.2f})")
+    ax.set(xlabel="draft position j", ylabel="P(accepted | earlier accepted)", ylim=(0, 1),
+           title="acceptance by position (offline)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", action="append", required=True, help="an exported drafter dir (repeat to compare)")
+    p.add_argument("--run", required=True, help="RUN_DIR whose features/ to evaluate on")
+    p.add_argument("--split", choices=["eval", "all"], default="eval", help="held-out samples (default) or all")
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--draft-cost", type=float, default=0.05)
+    p.add_argument("--out", default=None, help="report dir (default RUN_DIR/evaluate)")
+    a = p.parse_args(argv)
+    report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost)
+    out = Path(a.out or Path(a.run) / "evaluate")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluate.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "acceptance.png")
+    print_table(report)
+    print(f"report: {out / 'evaluate.json'}, plot: {out / 'acceptance.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
