@@ -2,8 +2,9 @@
 
 Runs the stages in order as the commands a user could type, printing each one, and skips a stage whose
 output records the same config sections as the current config (a dataset's manifest, the trainer's
-summary). Stages so far: data, extract, train (export, evaluate and smoke join as they land). Writes
-RUN_DIR/report.json.
+summary). Stages: data, extract, train, export (RUN_DIR/drafter, the best checkpoint), evaluate (offline acceptance
+and the reference speculative decoder on held-out prompts); the SGLang smoke test runs on a GPU machine
+(serve.smoke). Writes RUN_DIR/report.json.
 """
 from __future__ import annotations
 
@@ -37,11 +38,22 @@ def _train_summary(cfg: EyrieConfig) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _record(stage: str):
+    """The pipeline's own completion record for stages whose output has no manifest."""
+    def read(cfg: EyrieConfig) -> dict | None:
+        path = Path(cfg.run_dir) / "pipeline" / f"{stage}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+    return read
+
+
+ALL = ("seed", "target", "data", "extract", "train")
 # stage -> (its completion record: a dict with the config it was made with, the config parts it depends on)
 STAGES = {
     "data": (lambda cfg: _manifest(samples_dir(cfg)), ("target", "data")),
     "extract": (lambda cfg: _manifest(features_dir(cfg)), ("target", "data", "extract")),
-    "train": (_train_summary, ("seed", "target", "data", "extract", "train")),
+    "train": (_train_summary, ALL),
+    "export": (_record("export"), ALL),
+    "evaluate": (_record("evaluate"), ALL),
 }
 
 
@@ -72,6 +84,12 @@ def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str
     if stage == "extract":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                 str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]
+    if stage == "export":
+        return [sys.executable, "-m", "serve.export", "--checkpoint", cfg.run_dir, "--tag", "best",
+                "--out", str(Path(cfg.run_dir) / "drafter")]
+    if stage == "evaluate":
+        return [sys.executable, "-m", "serve.evaluate", "--drafter", str(Path(cfg.run_dir) / "drafter"),
+                "--run", cfg.run_dir, "--steps", str(cfg.train.ttt_steps), "--decode", "16"]
     if stage == "train":
         found = Path(sys.executable).parent / "deepspeed"
         launcher = [str(found)] if found.exists() else [shutil.which("deepspeed")] if shutil.which("deepspeed") \
@@ -112,6 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.time()
         subprocess.run(cmd, check=True)
         report["stage_seconds"][stage] = round(time.time() - start, 2)
+        if stage in ("export", "evaluate"):
+            (run_dir / "pipeline").mkdir(exist_ok=True)
+            atomic_write_json(run_dir / "pipeline" / f"{stage}.json", {"config": cfg.model_dump(mode="json")})
     manifest = stage_done(cfg, "data")
     if manifest:
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
@@ -124,6 +145,19 @@ def main(argv: list[str] | None = None) -> dict:
     trained = stage_done(cfg, "train")
     if trained:
         report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
+    evaluated = run_dir / "evaluate" / "evaluate.json"
+    if stage_done(cfg, "evaluate") and evaluated.exists():
+        ev = json.loads(evaluated.read_text())
+        offline = next(iter(ev["drafters"].values()))
+        decoded = next(iter(ev.get("decode", {}).values()), {})
+        report["drafter"] = {
+            "dir": str(run_dir / "drafter"),
+            "offline_accept_length_by_steps": [round(x, 3) for x in offline["accept_length_by_steps"]],
+            "offline_alpha_by_position": [round(x, 3) for x in offline["alpha_by_position"]],
+            "reference_decoder": {k: decoded.get(k) for k in ("steps", "accept_length", "identical_to_greedy",
+                                                             "speedup_wall_clock", "completion_tokens",
+                                                             "verify_calls")},
+            "accept_length_formula": "tokens emitted per target verify step (SGLang's spec_accept_length)"}
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}\n{json.dumps(report, indent=1)}")
     return report

@@ -16,6 +16,8 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 
 from data.vocab import check_draft_vocab
+from train.drafter import Eagle3Drafter
+from train.teacher import load_target_tensors
 
 
 class DrafterDirError(ValueError):
@@ -115,3 +117,15 @@ def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], where: str,
         problems.append(f"eagle_aux_hidden_state_layer_ids {ids} differ from the training shards' {layer_ids}")
     if problems:
         raise DrafterDirError(f"{where}: not a valid SGLang EAGLE-3 drafter:\n  " + "\n  ".join(problems))
+
+
+def load_drafter(directory: str | Path, target: str | Path, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """An exported (SGLang-format) drafter as a module; the embedding is the target's unless it ships one."""
+    config, tensors = read_config(directory), read_tensors(directory)
+    validate(config, tensors, str(directory))
+    model = Eagle3Drafter(config, tensors.pop("d2t"), tensors.pop("t2d"))
+    if "embed_tokens.weight" not in tensors:
+        tensors["embed_tokens.weight"] = load_target_tensors(target, ["embed"])["embed"]
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    return model.to(device, dtype).eval()

@@ -28,22 +28,10 @@ from data.shards import read_manifest
 from data.target import load_target_info
 from train.drafter import Eagle3Drafter
 from train.loader import FeatureData, length_grouped_batches
-from train.teacher import Teacher, load_target_tensors
+from train.teacher import Teacher
 from train.ttt import ttt_unroll
 
-from .drafter_dir import DrafterDirError, read_config, read_tensors, validate
-
-
-def load_drafter(directory: str | Path, target: str | Path, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """An exported (SGLang-format) drafter as a module; the embedding is the target's unless it ships one."""
-    config, tensors = read_config(directory), read_tensors(directory)
-    validate(config, tensors, str(directory))
-    model = Eagle3Drafter(config, tensors.pop("d2t"), tensors.pop("t2d"))
-    if "embed_tokens.weight" not in tensors:
-        tensors["embed_tokens.weight"] = load_target_tensors(target, ["embed"])["embed"]
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    return model.to(device, dtype).eval()
+from .drafter_dir import DrafterDirError, load_drafter
 
 
 @torch.no_grad()
@@ -75,7 +63,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = load_target_info(target)
-    report = {"features": str(run_dir / "features"), "split": split, "samples": int(len(picked)), "steps": steps,
+    report = {"features": str(run_dir / "features"), "target": target, "split": split, "samples": int(len(picked)), "steps": steps,
               "draft_cost": draft_cost, "formulas": {
                   "alpha_j": "P(draft j accepted | drafts < j accepted)",
                   "accept_length(k)": "1 + sum_{j<k} P(drafts 0..j accepted) = tokens per target verify step",
@@ -93,6 +81,22 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
                                       for k, t in enumerate(result["accept_length_by_steps"])]
         report["drafters"][str(path)] = result
     return report
+
+
+def held_out_prompts(run_dir: str | Path, n: int) -> list[list[dict]]:
+    """First user turns of up to n conversations the drafter did not train on (the eval split's ids)."""
+    from data.conversations import SkipReport, load_conversations
+    from train.loader import held_out
+
+    from .decode import first_turn
+    config = json.loads((Path(run_dir) / "train" / "summary.json").read_text())["config"]
+    prompts = []
+    for conv in load_conversations(config["data"]["inputs"], SkipReport(), skip_malformed=True):
+        if held_out(conv.id, config["train"]["eval_fraction"]):
+            prompts.append(first_turn(conv.messages))
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def print_table(report: dict) -> None:
@@ -135,13 +139,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--draft-cost", type=float, default=0.05)
     p.add_argument("--out", default=None, help="report dir (default RUN_DIR/evaluate)")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also run the reference speculative decoder (serve.decode) on N held-out prompts")
+    p.add_argument("--decode-steps", type=int, default=3)
     a = p.parse_args(argv)
     report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost)
     out = Path(a.out or Path(a.run) / "evaluate")
     out.mkdir(parents=True, exist_ok=True)
+    if a.decode:
+        from .decode import run as decode
+        report["decode"] = {d: decode(report["target"], d, held_out_prompts(a.run, a.decode), a.decode_steps)
+                            for d in a.drafter}
     (out / "evaluate.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "acceptance.png")
     print_table(report)
+    for name, d in report.get("decode", {}).items():
+        print(f"reference decoder, {name}: accept length {d['accept_length']:.3f} ({d['accept_length_formula']}) "
+              f"over {len(d['prompts'])} prompts, {d['steps']} steps; output identical to greedy: "
+              f"{d['identical_to_greedy']}; wall-clock speedup {d['speedup_wall_clock']:.2f}x on {d['device']}")
     print(f"report: {out / 'evaluate.json'}, plot: {out / 'acceptance.png'}")
     return report
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
@@ -55,6 +56,25 @@ def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: i
         **rope)
 
 
+class KVCache:
+    """The drafter's keys/values for decoding ([1, kv_heads, L, head_dim]); `crop` drops rejected drafts."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
 @dataclass
 class StepOutput:
     hidden: torch.Tensor   # [B, T, H] pre-norm output, the next step's hidden input
@@ -75,14 +95,21 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.backend = "blockwise"
 
-    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]]):
+    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], cache: "KVCache | None" = None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = ttt_attention(q, [*(p[0] for p in past), k], [*(p[1] for p in past), v], self.head_dim ** -0.5,
-                            self.backend)
+        if cache is not None:  # decoding: plain causal attention over the cache (drafts are cache entries too)
+            keys, values = cache.append(k, v)
+            L = keys.shape[2]
+            mask = torch.arange(L, device=x.device)[None] <= torch.arange(L - T, L, device=x.device)[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                                 enable_gqa=self.kv_heads != self.heads)
+        else:
+            out = ttt_attention(q, [*(p[0] for p in past), k], [*(p[1] for p in past), v], self.head_dim ** -0.5,
+                                self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
@@ -95,10 +122,10 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, *past_flat):
+    def forward(self, embeds, hidden, cos, sin, *past_flat, cache: "KVCache | None" = None):
         past = list(zip(past_flat[0::2], past_flat[1::2]))
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attn, k, v = self.self_attn(x, cos, sin, past)
+        attn, k, v = self.self_attn(x, cos, sin, past, cache)
         h = hidden + attn
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
@@ -128,10 +155,11 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.self_attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                past: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> StepOutput:
+                past: list[tuple[torch.Tensor, torch.Tensor]] = (), cache: "KVCache | None" = None) -> StepOutput:
         """One draft step over a whole sequence. `hidden` is the target's aux states [B, T, 3·H_target] on
         the first step (projected by fc, as in SGLang) and the previous step's output after that; `past`
-        holds the keys/values of the earlier steps of this unroll."""
+        holds the keys/values of the earlier steps of this unroll. With `cache` (decoding) the new positions
+        attend causally to everything cached instead."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
@@ -142,7 +170,7 @@ class Eagle3Drafter(nn.Module):
         if self.activation_checkpointing and torch.is_grad_enabled():
             h, k, v = checkpoint(self.midlayer, embeds, hidden, cos, sin, *flat, use_reentrant=False)
         else:
-            h, k, v = self.midlayer(embeds, hidden, cos, sin, *flat)
+            h, k, v = self.midlayer(embeds, hidden, cos, sin, *flat, cache=cache)
         return StepOutput(h, self.lm_head(self.norm(h)), k, v)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
