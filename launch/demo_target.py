@@ -127,7 +127,7 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
         opt.step()
         sched.step()
         if step % 50 == 0 or step == steps - 1:
-            losses.append(round(float(loss), 4))
+            losses.append(round(loss.item(), 4))
     return losses
 
 

@@ -92,3 +92,27 @@ def zero3_run(features_run, tmp_path_factory):
     from tests.train_runs import TRAIN, finish, launch, with_run_dir
     run = tmp_path_factory.mktemp("zero3") / "run"
     return run, finish(launch(with_run_dir(features_run, run, optim=TRAIN["optim"] | {"zero_stage": 3})))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The README demo at reduced scale, through the real pipeline: a trained tiny target, self-distilled data,
+    extraction, two-rank DeepSpeed training, export (through SGLang's loader when installed), evaluation."""
+    import subprocess
+
+    import yaml
+
+    from launch.demo_target import build_demo_assets
+    root = tmp_path_factory.mktemp("demo")
+    build_demo_assets(root / "assets", conversations=240, train_steps=300)
+    config = yaml.safe_load((ROOT / "launch" / "configs" / "demo.yaml").read_text())
+    config["run_dir"] = str(root / "run")
+    config["target"]["path"] = str(root / "assets" / "target")
+    config["data"]["inputs"] = [str(root / "assets" / "conversations.jsonl")]
+    config["train"] |= {"eval_fraction": 0.1}
+    path = root / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+    return root / "run", path, out.stdout

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pipeline(config, *args):
-    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(config), *args], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(config),
+                          "--stages", "data,extract,train", *args], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
