@@ -17,11 +17,13 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from data.config import EyrieConfig
+from data.batching import length_grouped_batches
 from data.prepare import samples_dir
 from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json, file_checksum,
                          write_manifest)
@@ -51,19 +53,6 @@ def chunk_done(out: Path, chunk: int, config_hash: str, verify: bool) -> dict | 
         print(f"[extract] {shard}: checksum mismatch, extracting it again", flush=True)
         return None
     return record
-
-
-def _batches(lengths, indices: list[int], max_tokens: int) -> list[list[int]]:
-    """Length-sorted batches whose padded size (batch x longest) stays within max_tokens."""
-    order = sorted(indices, key=lambda i: (int(lengths[i]), i))
-    batches, cur = [], []
-    for i in order:
-        longest = int(lengths[i])  # ascending, so the newest is the longest
-        if cur and (len(cur) + 1) * longest > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    return batches + ([cur] if cur else [])
 
 
 class AsyncShardWriter:
@@ -121,7 +110,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
                   io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
-    for batch in _batches(lengths, indices, max_tokens):
+    for batch in length_grouped_batches(lengths, np.asarray(indices), max_tokens, None):
         rows = [samples[i] for i in batch]
         sizes = [int(lengths[i]) for i in batch]
         ids = torch.zeros(len(rows), max(sizes), dtype=torch.long)

@@ -27,7 +27,8 @@ import torch
 from data.shards import read_manifest
 from data.target import load_target_info
 from train.drafter import Eagle3Drafter
-from train.loader import FeatureData, length_grouped_batches
+from data.batching import length_grouped_batches
+from train.loader import FeatureData
 from train.teacher import Teacher
 from train.ttt import ttt_unroll
 

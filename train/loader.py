@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
+from data.batching import length_grouped_batches
 from data.shards import ShardDataset
 
 
@@ -46,25 +47,6 @@ class Batch:
 def held_out(sample_id: str, fraction: float) -> bool:
     """Stable eval membership: depends on the sample id only, not on shard layout or rank count."""
     return xxhash.xxh64_intdigest(sample_id.encode()) < fraction * 2 ** 64
-
-
-def length_grouped_batches(lengths: np.ndarray, indices: np.ndarray, max_tokens: int,
-                           rng: np.random.Generator | None) -> list[list[int]]:
-    """Batches of similar lengths whose padded size (batch x longest) stays within max_tokens; a sample
-    longer than max_tokens goes alone. With `rng`, equal lengths are tie-broken and batches ordered randomly."""
-    jitter = rng.random(len(indices)) if rng is not None else np.zeros(len(indices))
-    order = indices[np.lexsort((jitter, lengths[indices]))]
-    batches, cur = [], []
-    for i in order:
-        longest = int(lengths[i])  # ascending, so the newest is the longest
-        if cur and (len(cur) + 1) * longest > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(int(i))
-    batches += [cur] if cur else []
-    if rng is not None:
-        batches = [batches[k] for k in rng.permutation(len(batches))]
-    return batches
 
 
 class FeatureData:
