@@ -13,6 +13,7 @@ keys with a block-sparse mask (CUDA).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,18 @@ from torch.utils.checkpoint import checkpoint
 BLOCK_ELEMENTS = 1 << 25  # score elements per query block (x4 bytes in fp32): bounds blockwise's peak memory
 
 
+_FLEX_FAILED: list[str] = []
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
                   backend: str) -> torch.Tensor:
     """q [B, Hq, T, D]; keys/values: one [B, Hkv, T, D] per step so far, keys[0] the first (causal) step."""
-    if backend == "flex":
-        return flex_ttt_attention(q, keys, values, scale)
+    if backend == "flex" and not _FLEX_FAILED:
+        try:
+            return flex_ttt_attention(q, keys, values, scale)
+        except Exception as e:  # e.g. Inductor has no kernel for a tiny head_dim: same math, blockwise
+            _FLEX_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
+            warnings.warn(f"flex attention unavailable for this drafter ({_FLEX_FAILED[0]}); using blockwise")
     return blockwise_ttt_attention(q, keys, values, scale)
 
 
@@ -75,6 +83,10 @@ def _block_mask(T: int, steps: int, device: str):
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
+    # every (T, step) pair is a new shape: without room for them torch.compile falls back to the unfused
+    # flex path, which materialises the T x kT scores
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
     return torch.compile(flex_attention, dynamic=False)
 
 
