@@ -79,3 +79,18 @@ def test_deepspeed_json_is_the_single_source_when_given(tmp_path):
     generated = deepspeed_config(TrainConfig.model_validate({"optim": {"zero_stage": 1, "grad_accum": 4}}), 50, True)
     assert generated["zero_optimization"]["stage"] == 1 and generated["gradient_accumulation_steps"] == 4
     assert generated["bf16"]["enabled"] and generated["scheduler"]["params"]["total_num_steps"] == 50
+
+
+def test_zero1_with_gradient_accumulation(zero2_run, features_run, tmp_path):
+    """ZeRO-1 and 2 micro-batches per optimizer step: 6 steps consume exactly the 12 batches ZeRO-2 took."""
+    run = tmp_path / "run"
+    finish(launch(with_run_dir(features_run, run, max_steps=6, eval_every=6, save_every=6,
+                               optim={"lr": 1e-2, "warmup_steps": 2, "zero_stage": 1, "grad_accum": 2})))
+    rows = [json.loads(line) for line in (run / "train" / "log.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (zero2_run[0] / "train" / "log.jsonl").read_text().splitlines()]
+    train, ref_train = [r for r in rows if r["split"] == "train"], [r for r in ref if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert sum(r["tokens"] for r in train) == sum(r["tokens"] for r in ref_train)
+    assert train[-1]["loss"] < train[0]["loss"]
+    state = json.loads((run / "train" / "checkpoints" / "step6" / "trainer_state.json").read_text())
+    assert state["step"] == 6
