@@ -1,0 +1,198 @@
+"""The SGLang serving smoke test: the target served plain, then with the drafter, on the same prompts.
+
+    python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE] [--out DIR]
+                          [--concurrency 1,8,64] [--steps 3] [--server-arg=--attention-backend=triton ...]
+
+Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
+--speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
+--speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
+`--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative
+mode otherwise), waits for readiness with a timeout (large targets take minutes), sends the prompts at
+temperature 0 and reports output parity with the baseline, the accept length from `meta_info`
+(`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s single-stream and
+at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the port and the
+GPU memory are checked released. Server logs and report.json go to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
+                   "Write a short note from Ada about a falcon.", "Spell the word harbor."]
+
+
+def accept_length(metas: list[dict]) -> float | None:
+    """Tokens per target verify step over all requests: completion_tokens / spec_verify_ct (what SGLang's
+    spec_accept_length is per request); None when the server did not speculate."""
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    return sum(m["completion_tokens"] for m in metas) / verify if verify else None
+
+
+def verdict(baseline: dict[int, float], speculative: dict[int, float], margin: float = 0.05) -> dict[int, str]:
+    out = {}
+    for c, base in baseline.items():
+        ratio = speculative[c] / base if base else 0.0
+        out[c] = f"pays ({ratio:.2f}x)" if ratio > 1 + margin else \
+            f"does not pay ({ratio:.2f}x)" if ratio < 1 - margin else f"neutral ({ratio:.2f}x)"
+    return out
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _gpu_memory_used_mib() -> list[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [int(x) for x in out.split()]
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return []
+
+
+class Server:
+    def __init__(self, args: list[str], port: int, log: Path, timeout: float):
+        self.port, self.log, self.timeout = port, log, timeout
+        if not _port_free(port):
+            raise RuntimeError(f"port {port} is in use; pass --port")
+        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+        self.fh = open(log, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self) -> float:
+        start = time.time()
+        with tqdm(desc=f"waiting for {self.log.stem}", unit="s", bar_format="{desc}: {elapsed}") as bar:
+            while time.time() - start < self.timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log}:\n"
+                                       + self.log.read_text()[-3000:])
+                try:
+                    if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                        return time.time() - start
+                except requests.RequestException:
+                    pass
+                time.sleep(2)
+                bar.update(2)
+        raise TimeoutError(f"server not ready after {self.timeout:.0f} s; log {self.log}")
+
+    def generate(self, text: str, max_new: int) -> dict:
+        r = requests.post(self.url + "/generate", json={"text": text, "sampling_params": {
+            "temperature": 0, "max_new_tokens": max_new}}, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> dict:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.fh.close()
+        for _ in range(30):
+            if _port_free(self.port):
+                break
+            time.sleep(1)
+        return {"port_free": _port_free(self.port), "gpu_memory_used_mib": _gpu_memory_used_mib()}
+
+
+def measure(server: Server, prompts: list[str], max_new: int, concurrency: list[int]) -> dict:
+    t0 = time.time()
+    single = [server.generate(p, max_new) for p in prompts]
+    wall = time.time() - t0
+    metas = [r["meta_info"] for r in single]
+    out = {"texts": [r["text"] for r in single], "accept_length": accept_length(metas),
+           "spec_accept_length_mean": (sum(m["spec_accept_length"] for m in metas) / len(metas)
+                                       if all("spec_accept_length" in m for m in metas) else None),
+           "tokens_per_s": {1: sum(m["completion_tokens"] for m in metas) / wall}}
+    for c in concurrency:
+        if c == 1:
+            continue
+        batch = (prompts * (2 * c // len(prompts) + 1))[:2 * c]
+        t0 = time.time()
+        with ThreadPoolExecutor(c) as pool:
+            results = list(pool.map(lambda p: server.generate(p, max_new), batch))
+        out["tokens_per_s"][c] = sum(r["meta_info"]["completion_tokens"] for r in results) / (time.time() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--prompts", help="JSONL of conversations; each first user turn becomes a prompt")
+    p.add_argument("--limit", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
+    p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeat)")
+    p.add_argument("--out", default="smoke")
+    a = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from .decode import first_turn
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(a.target)
+    convs = [json.loads(x)["messages"] for x in Path(a.prompts).read_text().splitlines() if x.strip()] \
+        if a.prompts else [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
+    prompts = [tok.apply_chat_template(first_turn(m), add_generation_prompt=True, tokenize=False)
+               for m in convs[:a.limit]]
+    concurrency = [int(c) for c in a.concurrency.split(",")]
+    target_config = json.loads((Path(a.target) / "config.json").read_text())
+    mla = "kv_lora_rank" in (target_config.get("text_config") or target_config)
+    common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(concurrency) * 2),
+              *a.server_arg]
+    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,
+             "--speculative-num-steps", str(a.steps), "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", str(a.steps + 1)]
+    if mla:  # the Llama drafter cannot use the target's MLA attention backend
+        eagle += ["--speculative-draft-attention-backend", "triton"]
+    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps, "prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": _gpu_memory_used_mib()}
+    for name, args in (("baseline", common), ("eagle3", common + eagle)):
+        server = Server(args, a.port, out / f"server-{name}.log", a.timeout)
+        try:
+            report[f"{name}_ready_s"] = server.wait_ready()
+            report[name] = measure(server, prompts, a.max_new_tokens, concurrency)
+        finally:
+            report[f"{name}_stopped"] = server.stop()
+        report[f"{name}_command"] = " ".join(server.cmd)
+    base, spec = report["baseline"], report["eagle3"]
+    report["parity"] = sum(x == y for x, y in zip(base["texts"], spec["texts"])) / len(prompts)
+    report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
+    report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"parity with baseline: {report['parity']:.0%}; accept length {spec['accept_length']} "
+          f"(spec_accept_length mean {spec['spec_accept_length_mean']})")
+    for c in concurrency:
+        print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
+              f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
+    print(f"report: {out / 'report.json'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
