@@ -47,6 +47,9 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
             raise ConfigError(f"{user_json}: train_micro_batch_size_per_gpu must be 1 (a micro-batch is one "
                               "token-budget batch; size it with train.max_batch_tokens)")
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro x accumulation x world
+        if bool(ds.get("bf16", {}).get("enabled")) != bf16:
+            raise ConfigError(f"{user_json}: bf16.enabled must be {str(bf16).lower()} to match train.dtype "
+                              "(auto = bfloat16 on GPU, float32 on CPU)")
         params = ds.get("scheduler", {}).get("params", {})
         if params.get("total_num_steps") in (None, "auto") and "total_num_steps" in params:
             params["total_num_steps"] = total_steps
