@@ -12,6 +12,27 @@ import torch
 FINAL_HIDDEN = "post_norm"
 
 
+class AuxCapture:
+    """Forward hooks on the decoder layers named by SGLang-convention ids (id i = output of layer i); `take()`
+    returns the captured outputs concatenated [..., n_aux * H]. Extraction and the reference decoder share it."""
+
+    def __init__(self, layers, aux_layer_ids: list[int]):
+        self.aux_layer_ids = aux_layer_ids
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in aux_layer_ids:
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> torch.Tensor:
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        self._captured.clear()
+        return aux
+
+
 class HFBackend:
     def __init__(self, target_path: str, aux_layer_ids: list[int], dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False):
@@ -21,22 +42,11 @@ class HFBackend:
         self.decoder = model.get_decoder().to(device).eval()
         del model  # drops the LM head; the decoder keeps its own modules
         self.device, self.aux_layer_ids = device, aux_layer_ids
-        self._captured: dict[int, torch.Tensor] = {}
-        layers = self.decoder.layers
-        for i in aux_layer_ids:  # SGLang convention: id i = output of decoder layer i
-            layers[i].register_forward_hook(self._hook(i))
-
-    def _hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
+        self.aux = AuxCapture(self.decoder.layers, aux_layer_ids)
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] right-padded batch → aux [B, T, n_aux * H], final [B, T, H] on the device."""
-        self._captured.clear()
         out = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                            use_cache=False)
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
-        self._captured.clear()
-        return aux, out.last_hidden_state
+        return self.aux.take(), out.last_hidden_state

@@ -33,17 +33,15 @@ def _manifest(directory) -> dict | None:
         return None
 
 
-def _train_summary(cfg: EyrieConfig) -> dict | None:
-    path = Path(cfg.run_dir) / "train" / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _record(stage: str):
-    """The pipeline's own completion record for stages whose output has no manifest."""
+def _json(*parts: str):
+    """Reader of a JSON completion record below RUN_DIR (None while it does not exist)."""
     def read(cfg: EyrieConfig) -> dict | None:
-        path = Path(cfg.run_dir) / "pipeline" / f"{stage}.json"
+        path = Path(cfg.run_dir).joinpath(*parts)
         return json.loads(path.read_text()) if path.exists() else None
     return read
+
+
+_train_summary = _json("train", "summary.json")
 
 
 ALL = ("seed", "target", "data", "extract", "train")
@@ -52,8 +50,8 @@ STAGES = {
     "data": (lambda cfg: _manifest(samples_dir(cfg)), ("target", "data")),
     "extract": (lambda cfg: _manifest(features_dir(cfg)), ("target", "data", "extract")),
     "train": (_train_summary, ALL),
-    "export": (_record("export"), ALL),
-    "evaluate": (_record("evaluate"), ALL),
+    "export": (_json("pipeline", "export.json"), ALL),  # the pipeline's own record: no manifest there
+    "evaluate": (_json("pipeline", "evaluate.json"), ALL),
 }
 
 
@@ -74,7 +72,7 @@ def _move_aside(path: Path) -> Path:
     return path.rename(path.with_name(f"{path.name}.prev-{n}"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -95,7 +93,7 @@ def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str
         launcher = [str(found)] if found.exists() else [shutil.which("deepspeed")] if shutil.which("deepspeed") \
             else [sys.executable, "-m", "deepspeed.launcher.runner"]
         return [*launcher, "--num_gpus", str(cfg.train.nproc_per_node),
-                "--master_port", str(_free_port()), str(ROOT / "train" / "main.py"), "--config", config, *overrides]
+                "--master_port", str(free_port()), str(ROOT / "train" / "main.py"), "--config", config, *overrides]
     return [sys.executable, "-m", stage, "--config", config, *overrides]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from extract.hf import AuxCapture
 from train.drafter import KVCache
 
 from .drafter_dir import load_drafter
@@ -47,23 +48,14 @@ class Target:
     def __init__(self, path: str, aux_layer_ids: list[int], device: torch.device, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        self.ids, self.captured = aux_layer_ids, {}
-        layers = self.model.get_decoder().layers
-        for i in aux_layer_ids:
-            layers[i].register_forward_hook(self._hook(i))
-
-    def _hook(self, i):
-        def hook(_m, _inp, out):
-            self.captured[i] = out[0] if isinstance(out, tuple) else out
-        return hook
+        self.aux = AuxCapture(self.model.get_decoder().layers, aux_layer_ids)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, V] and aux states [n, 3H] for `ids` [n] at positions start.."""
         pos = torch.arange(start, start + len(ids), device=ids.device)[None]
         out = self.model(input_ids=ids[None], position_ids=pos, past_key_values=cache, use_cache=True)
-        aux = torch.cat([self.captured[i] for i in self.ids], dim=-1)[0]
-        return out.logits[0], aux
+        return out.logits[0], self.aux.take()[0]
 
 
 @torch.inference_mode()

@@ -30,24 +30,19 @@ from train.drafter import Eagle3Drafter
 from data.batching import length_grouped_batches
 from train.loader import FeatureData
 from train.teacher import Teacher
-from train.ttt import ttt_unroll
+from train.metrics import score
 
 from .drafter_dir import DrafterDirError, load_drafter
 
 
-@torch.no_grad()
-def acceptance(drafter: Eagle3Drafter, data: FeatureData, indices: list[list[int]], teacher: Teacher,
+def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int]], teacher: Teacher,
                steps: int, device: torch.device, dtype: torch.dtype) -> dict:
-    alive, chains = torch.zeros(steps, dtype=torch.float64), 0.0
-    for batch in indices:
-        b = data.collate(batch).to(device, dtype)
-        r = ttt_unroll(drafter, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden), steps, 1.0)
-        alive += r.alive.double().cpu()
-        chains += float(r.chains)
-    p = (alive / max(chains, 1.0)).tolist()  # P(drafts 0..j accepted)
+    reduced = score(drafter, data, batches, teacher, steps, 1.0, device, dtype).reduce()
+    p = [reduced[f"p_accepted_through_step{j}"] for j in range(steps)]
     alpha = [p[0]] + [p[j] / p[j - 1] if p[j - 1] else 0.0 for j in range(1, steps)]
     tau = [1.0 + sum(p[:k]) for k in range(1, steps + 1)]
-    return {"chains": int(chains), "p_accepted_through": p, "alpha_by_position": alpha, "accept_length_by_steps": tau}
+    return {"chains": int(reduced["chains"]), "p_accepted_through": p, "alpha_by_position": alpha,
+            "accept_length_by_steps": tau}
 
 
 def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,

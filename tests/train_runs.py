@@ -1,10 +1,11 @@
 """Shared by the train and serve tests: a run directory with features, and real DeepSpeed launches."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from launch.pipeline import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -26,12 +27,6 @@ def with_run_dir(features_run, run_dir: Path, **train) -> Path:
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(json.dumps(new))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(config: Path, *overrides: str) -> subprocess.Popen:

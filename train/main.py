@@ -29,7 +29,7 @@ from extract.job import features_dir
 from train.drafter import Eagle3Drafter, drafter_config
 from train.engine import Checkpoints, deepspeed_config, init_engine, warm_start
 from train.loader import FeatureData
-from train.metrics import Logger, TTTStats
+from train.metrics import Logger, TTTStats, score
 from train.teacher import Teacher, load_target_tensors
 from train.ttt import ttt_unroll
 
@@ -95,12 +95,7 @@ def evaluate(engine, data: FeatureData, teacher: Teacher, cfg: EyrieConfig, devi
     if not plan:
         return None
     engine.eval()
-    stats = TTTStats(cfg.train.ttt_steps, cfg.train.ttt_decay)
-    for indices in plan:
-        b = data.collate(indices).to(device, dtype)
-        r = ttt_unroll(engine, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden),
-                       cfg.train.ttt_steps, cfg.train.ttt_decay)
-        stats.add(r, b.tokens, b.padded)
+    stats = score(engine, data, plan, teacher, cfg.train.ttt_steps, cfg.train.ttt_decay, device, dtype)
     engine.train()
     return stats.reduce()
 

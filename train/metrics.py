@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .ttt import TTTResult, accept_length
+from .ttt import TTTResult, accept_length, ttt_unroll
 
 
 class TTTStats:
@@ -16,13 +16,13 @@ class TTTStats:
 
     def __init__(self, steps: int, decay: float):
         self.steps, self.decay = steps, decay
-        # [loss_j..., correct_j..., counted_j..., accepted, chains, micro-batches, tokens, padded tokens]
-        self.sums = torch.zeros(3 * steps + 5, dtype=torch.float64)
+        # [loss_j..., correct_j..., counted_j..., alive_j..., chains, micro-batches, tokens, padded tokens]
+        self.sums = torch.zeros(4 * steps + 4, dtype=torch.float64)
 
     def add(self, r: TTTResult, tokens: int, padded: int) -> None:
         self.sums += torch.cat([r.step_loss.double().cpu(), r.correct.double().cpu(), r.counted.double().cpu(),
-                                torch.tensor([float(r.accepted), float(r.chains), 1.0, tokens, padded],
-                                             dtype=torch.float64)])
+                                r.alive.double().cpu(),
+                                torch.tensor([float(r.chains), 1.0, tokens, padded], dtype=torch.float64)])
 
     def reduce(self) -> dict:
         sums = self.sums.clone()
@@ -32,15 +32,32 @@ class TTTStats:
             dist.all_reduce(sums)
             sums = sums.cpu()
         k = self.steps
-        step_loss = sums[:k] / sums[3 * k + 2].clamp(min=1)  # mean over micro-batches (all ranks)
+        chains, micro_batches, tokens, padded = (float(x) for x in sums[4 * k:])
+        step_loss = sums[:k] / max(micro_batches, 1.0)  # mean over micro-batches (all ranks)
         acc = sums[k:2 * k] / sums[2 * k:3 * k].clamp(min=1)
         out = {f"loss_step{j}": float(step_loss[j]) for j in range(k)}
         out |= {f"acc_step{j}": float(acc[j]) for j in range(k)}
-        out["accept_length"] = accept_length(float(sums[3 * k]), float(sums[3 * k + 1]))
+        out["accept_length"] = accept_length(float(sums[3 * k:4 * k].sum()), chains)
         out["loss"] = float(sum(step_loss[j] * self.decay ** j for j in range(k)))
-        out["tokens"] = float(sums[3 * k + 3])
-        out["padding_fraction"] = 1 - float(sums[3 * k + 3]) / max(float(sums[3 * k + 4]), 1.0)
+        out["tokens"] = tokens
+        out["padding_fraction"] = 1 - tokens / max(padded, 1.0)
+        out["chains"] = chains
+        out |= {f"p_accepted_through_step{j}": float(sums[3 * k + j]) / max(chains, 1.0)  # P(drafts 0..j accepted)
+                for j in range(k)}
         return out
+
+
+@torch.no_grad()
+def score(model, data, batches: list[list[int]], teacher, steps: int, decay: float, device: torch.device,
+          dtype: torch.dtype) -> TTTStats:
+    """The TTT unroll over some batches without training: eval during training and offline evaluation."""
+    stats = TTTStats(steps, decay)
+    for indices in batches:
+        b = data.collate(indices).to(device, dtype)
+        r = ttt_unroll(model, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden), steps,
+                       decay)
+        stats.add(r, b.tokens, b.padded)
+    return stats
 
 
 class Logger:

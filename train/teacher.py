@@ -73,11 +73,10 @@ class Teacher:
         if final_hidden not in ("post_norm", "pre_norm"):
             raise ValueError(f"shards describe their final hidden state as {final_hidden!r}; "
                              "expected post_norm or pre_norm")
-        wanted = ["lm_head", "embed"] + (["norm"] if final_hidden == "pre_norm" else [])
+        tied = bool(text_config.get("tie_word_embeddings"))  # read the (large) embedding only when it is the head
+        wanted = ["embed" if tied else "lm_head"] + (["norm"] if final_hidden == "pre_norm" else [])
         tensors = load_target_tensors(target, wanted)
-        lm_head = tensors.get("lm_head")
-        if lm_head is None and text_config.get("tie_word_embeddings"):
-            lm_head = tensors.get("embed")
+        lm_head = tensors.get("lm_head", tensors.get("embed"))
         if lm_head is None:
             raise ValueError(f"{target}: no lm_head.weight in the checkpoint (and embeddings are not tied)")
         if final_hidden == "pre_norm" and "norm" not in tensors:

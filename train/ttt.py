@@ -129,7 +129,7 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     positions = torch.arange(T, device=device)[None].expand(B, T)
     valid = positions < lengths[:, None]
     loss_mask = loss_mask.bool() & valid
-    d2t = model.module.d2t if hasattr(model, "module") else model.d2t
+    drafter = model.module if hasattr(model, "module") else model  # unwrap a DeepSpeed engine
     hidden, past = aux_hidden, []
     total = aux_hidden.new_zeros((), dtype=torch.float32)
     step_loss, correct, counted, alive = [], [], [], []
@@ -148,7 +148,7 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
         total = total + decay ** j * loss_j
         with torch.no_grad():
             draft = out.logits.argmax(-1)
-            hit = (draft + d2t[draft] == _shift(teacher.target_ids, j + 1)) & scored
+            hit = (drafter.to_target_ids(draft) == _shift(teacher.target_ids, j + 1)) & scored
             first = scored if first is None else first
             chain = hit if chain is None else chain & hit
             step_loss.append(loss_j.detach())
