@@ -137,7 +137,8 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
         spec = speculative(target, drafter, prompt, max_new, eos, steps)
         rows.append({"prompt": messages[-1]["content"], "identical": base.tokens == spec.tokens,
                      "tokens": len(spec.tokens), "verify_calls": spec.verify_calls,
-                     "accept_length": spec.accept_length, "text": tok.decode(spec.tokens)})
+                     "accept_length": spec.accept_length, "text": tok.decode(spec.tokens),
+                     "output_ids": spec.tokens})
         base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
         gen, calls = gen + len(spec.tokens), calls + spec.verify_calls
     return {"target": target_path, "drafter": drafter_dir, "steps": steps, "device": str(dev),

@@ -1,7 +1,7 @@
 """The SGLang serving smoke test: the target served plain, then with the drafter, on the same prompts.
 
-    python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE] [--out DIR]
-                          [--concurrency 1,8,64] [--steps 3] [--server-arg=--attention-backend=triton ...]
+    python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
+                          [--out DIR] [--concurrency 1,8,64] [--steps 3] [--server-arg=--attention-backend=triton ...]
 
 Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
 --speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
@@ -12,6 +12,10 @@ temperature 0 and reports output parity with the baseline, the accept length fro
 (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s single-stream and
 at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the port and the
 GPU memory are checked released. Server logs and report.json go to --out.
+
+With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
+held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
+tokens next to the reference decoder's and the offline evaluator's.
 """
 from __future__ import annotations
 
@@ -93,8 +97,8 @@ class Server:
                 bar.update(2)
         raise TimeoutError(f"server not ready after {self.timeout:.0f} s; log {self.log}")
 
-    def generate(self, text: str, max_new: int) -> dict:
-        r = requests.post(self.url + "/generate", json={"text": text, "sampling_params": {
+    def generate(self, input_ids: list[int], max_new: int) -> dict:
+        r = requests.post(self.url + "/generate", json={"input_ids": input_ids, "sampling_params": {
             "temperature": 0, "max_new_tokens": max_new}}, timeout=600)
         r.raise_for_status()
         return r.json()
@@ -115,12 +119,13 @@ class Server:
         return {"port_free": _port_free(self.port), "gpu_memory_used_mib": _gpu_memory_used_mib()}
 
 
-def measure(server: Server, prompts: list[str], max_new: int, concurrency: list[int]) -> dict:
+def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency: list[int]) -> dict:
     t0 = time.time()
     single = [server.generate(p, max_new) for p in prompts]
     wall = time.time() - t0
     metas = [r["meta_info"] for r in single]
-    out = {"texts": [r["text"] for r in single], "accept_length": accept_length(metas),
+    out = {"texts": [r["text"] for r in single], "output_ids": [r.get("output_ids") for r in single],
+           "accept_length": accept_length(metas),
            "spec_accept_length_mean": (sum(m["spec_accept_length"] for m in metas) / len(metas)
                                        if all("spec_accept_length" in m for m in metas) else None),
            "tokens_per_s": {1: sum(m["completion_tokens"] for m in metas) / wall}}
@@ -141,8 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--drafter", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--prompts", help="JSONL of conversations; each first user turn becomes a prompt")
-    p.add_argument("--limit", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--run", help="pipeline run dir: its held-out prompts, compared with its evaluate stage")
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="64: what the reference decoder uses")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--port", type=int, default=30000)
@@ -156,9 +162,15 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.target)
-    convs = [json.loads(x)["messages"] for x in Path(a.prompts).read_text().splitlines() if x.strip()] \
-        if a.prompts else [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
-    prompts = [tok.apply_chat_template(first_turn(m), add_generation_prompt=True, tokenize=False)
+    if a.run:
+        from .evaluate import held_out_prompts
+        convs = held_out_prompts(a.run, a.limit)
+    elif a.prompts:
+        convs = [first_turn(json.loads(x)["messages"]) for x in Path(a.prompts).read_text().splitlines() if x.strip()]
+    else:
+        convs = [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
+    # token ids, tokenized as the reference decoder does, so both see the very same prompt
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
                for m in convs[:a.limit]]
     concurrency = [int(c) for c in a.concurrency.split(",")]
     target_config = json.loads((Path(a.target) / "config.json").read_text())
@@ -184,14 +196,37 @@ def main(argv: list[str] | None = None) -> dict:
     report["parity"] = sum(x == y for x, y in zip(base["texts"], spec["texts"])) / len(prompts)
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
+    if a.run:
+        report["reference"] = compare_with_run(a.run, a.drafter, a.steps, spec)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(f"parity with baseline: {report['parity']:.0%}; accept length {spec['accept_length']} "
           f"(spec_accept_length mean {spec['spec_accept_length_mean']})")
     for c in concurrency:
         print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
               f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
+    for name, r in report.get("reference", {}).get("accept_length", {}).items():
+        print(f"{name:>28}: accept length {r['value']:.3f} ({r['relative_to_sglang']:+.1%} vs SGLang)")
+    if "reference" in report:
+        print(f"SGLang EAGLE3 output tokens equal to the reference decoder's: "
+              f"{report['reference']['token_parity_with_reference_decoder']:.0%}")
     print(f"report: {out / 'report.json'}")
     return report
+
+
+def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
+    """SGLang's accept length beside the reference decoder's and the offline evaluator's of the same run."""
+    report = json.loads((Path(run) / "evaluate" / "evaluate.json").read_text())
+    if report.get("decode", {}).get(drafter, {}).get("steps") != steps:
+        raise SystemExit(f"{run}/evaluate/evaluate.json has no reference-decoder run of {drafter} with {steps} steps")
+    decoded, offline = report["decode"][drafter], report["drafters"][drafter]
+    sglang = spec["accept_length"]
+    values = {"sglang": sglang, "reference_decoder": decoded["accept_length"],
+              f"offline_evaluator_{report['split']}": offline["accept_length_by_steps"][steps - 1]}
+    ref_ids = [r["output_ids"] for r in decoded["prompts"]]
+    same = [a == b for a, b in zip(spec["output_ids"], ref_ids)]
+    return {"accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1} for k, v in values.items()},
+            "token_parity_with_reference_decoder": sum(same) / max(len(same), 1),
+            "reference_decoder_device": decoded["device"], "prompts_compared": len(same)}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The smoke test's arithmetic on CPU; the servers themselves only on a GPU machine."""
+import json
 import shutil
 
 import pytest
 import torch
 
-from serve.smoke import accept_length, verdict
+from serve.smoke import accept_length, compare_with_run, verdict
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -19,6 +20,20 @@ def test_verdict_per_concurrency():
     assert v[1].startswith("pays") and v[8].startswith("neutral") and v[64].startswith("does not pay")
 
 
+def test_compare_with_run_sets_sglang_beside_the_reference_decoder_and_offline_evaluator(tmp_path):
+    evaluate = {"split": "eval", "drafters": {"D": {"accept_length_by_steps": [1.8, 2.3, 2.75, 3.0]}},
+                "decode": {"D": {"steps": 3, "accept_length": 2.6, "device": "cpu",
+                                 "prompts": [{"output_ids": [5, 6, 4]}, {"output_ids": [7, 4]}]}}}
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "evaluate.json").write_text(json.dumps(evaluate))
+    r = compare_with_run(str(tmp_path), "D", 3, {"accept_length": 2.5, "output_ids": [[5, 6, 4], [7, 8]]})
+    assert r["accept_length"]["reference_decoder"]["relative_to_sglang"] == pytest.approx(0.04)
+    assert r["accept_length"]["offline_evaluator_eval"]["value"] == 2.75  # tau at the served number of steps
+    assert r["token_parity_with_reference_decoder"] == 0.5
+    with pytest.raises(SystemExit, match="4 steps"):
+        compare_with_run(str(tmp_path), "D", 4, {"accept_length": 2.5, "output_ids": []})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
                     reason="not run: the SGLang servers (baseline and EAGLE3) need a GPU; run serve.smoke on the "
@@ -26,10 +41,11 @@ def test_verdict_per_concurrency():
 def test_smoke_on_the_demo(demo_run, tmp_path):
     from serve.smoke import main
     run = demo_run[0]
-    import json
     target = json.loads((run / "train" / "summary.json").read_text())["config"]["target"]["path"]
-    report = main(["--target", target, "--drafter", str(run / "drafter"), "--out", str(tmp_path),
+    report = main(["--target", target, "--drafter", str(run / "drafter"), "--out", str(tmp_path), "--run", str(run),
                    "--concurrency", "1,8", "--server-arg=--attention-backend=triton",
                    "--server-arg=--disable-cuda-graph", "--server-arg=--mem-fraction-static=0.3"])
     assert report["parity"] >= 0.9 and report["eagle3"]["accept_length"] > 1.5
+    for name, r in report["reference"]["accept_length"].items():
+        assert abs(r["relative_to_sglang"]) < 0.1, (name, r)
     assert report["baseline_stopped"]["port_free"] and report["eagle3_stopped"]["port_free"]
