@@ -54,7 +54,9 @@ def verdict(baseline: dict[int, float], speculative: dict[int, float], margin: f
 
 
 def _port_free(port: int) -> bool:
+    """Whether a new server could bind the port (SO_REUSEADDR, as uvicorn binds: TIME_WAIT leftovers do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -120,12 +122,14 @@ class Server:
 
 
 def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency: list[int]) -> dict:
+    server.generate(prompts[0], 8)  # untimed warm-up
     t0 = time.time()
     single = [server.generate(p, max_new) for p in prompts]
     wall = time.time() - t0
     metas = [r["meta_info"] for r in single]
     out = {"texts": [r["text"] for r in single], "output_ids": [r.get("output_ids") for r in single],
-           "accept_length": accept_length(metas),
+           "completion_tokens": sum(m["completion_tokens"] for m in metas),
+           "verify_steps": sum(m.get("spec_verify_ct", 0) for m in metas), "accept_length": accept_length(metas),
            "spec_accept_length_mean": (sum(m["spec_accept_length"] for m in metas) / len(metas)
                                        if all("spec_accept_length" in m for m in metas) else None),
            "tokens_per_s": {1: sum(m["completion_tokens"] for m in metas) / wall}}
@@ -133,8 +137,9 @@ def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency:
         if c == 1:
             continue
         batch = (prompts * (2 * c // len(prompts) + 1))[:2 * c]
-        t0 = time.time()
-        with ThreadPoolExecutor(c) as pool:
+        with ThreadPoolExecutor(c) as pool:  # untimed warm-up: kernels built for this batch size are not timed
+            list(pool.map(lambda p: server.generate(p, 8), batch[:c]))
+            t0 = time.time()
             results = list(pool.map(lambda p: server.generate(p, max_new), batch))
         out["tokens_per_s"][c] = sum(r["meta_info"]["completion_tokens"] for r in results) / (time.time() - t0)
     return out

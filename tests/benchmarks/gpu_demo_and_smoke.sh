@@ -1,28 +1,34 @@
 #!/bin/bash
-# On the GPU machine (run tool, carry [".whl", ".sgl", the CPU demo's runs/demo/{assets,drafter,train/summary.json,
-# evaluate/evaluate.json}]): the demo pipeline on the GPU in runs/gpu (DeepSpeed, one rank, reusing the carried
-# demo target) in the background, and the SGLang smoke test of the CPU-trained demo drafter in the foreground.
-# Results under $OUT/gpu-demo and $OUT/smoke*.
+# On the GPU machine (run tool; carry [".whl", ".sgl", and for the smoke test of the CPU-trained demo drafter
+# runs/demo/{assets,drafter,train/summary.json,evaluate/evaluate.json}]), in this order, each optional:
+#   BENCH="--lengths 16384 --backends flex"  tests/benchmarks/bench_train.py with these arguments
+#   DEMO=1         the demo pipeline on the GPU in runs/gpu (DeepSpeed, one rank; reuses a carried demo target)
+#   SMOKE=1        serve.smoke for SMOKE_RUN (default runs/demo): SGLang baseline vs EAGLE3 on the run's held-out
+#                  prompts, compared with the run's reference decoder and offline evaluator (dtype SMOKE_DTYPE)
+# Results under $OUT/bench.json, $OUT/gpu-demo, $OUT/smoke.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT/gpu-demo"
 source .whl/gpu-env.sh
-nvidia-smi --query-gpu=name,memory.used --format=csv
-( timeout ${DEMO_TIMEOUT:-560} python3 -m launch.demo --run_dir runs/gpu --extract.nproc_per_node 1 \
-    --train.nproc_per_node 1 ${DEMO_ARGS:-} > "$OUT/gpu-demo/demo.log" 2>&1
-  echo "rc=$?" >> "$OUT/gpu-demo/demo.log"
-  cp runs/gpu/report.json runs/gpu/train/log.jsonl runs/gpu/train/summary.json runs/gpu/evaluate/evaluate.json \
-     "$OUT/gpu-demo/" 2>/dev/null ) &
-demo=$!
-if [ "${SMOKE:-1}" = 1 ]; then
-  ( source .sgl/sglang-env.sh
-    for dtype in ${SMOKE_DTYPES:-float32}; do
-      timeout ${SMOKE_TIMEOUT:-500} python3 -m serve.smoke --target runs/demo/assets/target --drafter runs/demo/drafter \
-        --run runs/demo --concurrency 1,8,64 --out "$OUT/smoke-$dtype" --timeout 300 \
-        --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
-        --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
-        --server-arg=--mem-fraction-static=0.3 --server-arg=--dtype=$dtype 2>&1 | grep -v "it/s\]$" | tail -60
-      echo "smoke $dtype rc=${PIPESTATUS[0]}"
-    done )
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+if [ -n "${BENCH:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 tests/benchmarks/bench_train.py $BENCH 2>&1 | grep -v "it/s\]$" | tail -20
 fi
-wait $demo
-tail -40 "$OUT/gpu-demo/demo.log"
+if [ "${DEMO:-0}" = 1 ]; then
+  timeout ${DEMO_TIMEOUT:-400} python3 -m launch.demo --run_dir runs/gpu --extract.nproc_per_node 1 \
+    --train.nproc_per_node 1 ${DEMO_ARGS:-} > "$OUT/gpu-demo/demo.log" 2>&1
+  echo "demo rc=$?"
+  cp runs/gpu/report.json runs/gpu/train/log.jsonl runs/gpu/train/summary.json runs/gpu/evaluate/evaluate.json \
+     "$OUT/gpu-demo/" 2>/dev/null
+  grep "^\[pipeline\]\|reference decoder" "$OUT/gpu-demo/demo.log"
+fi
+if [ "${SMOKE:-0}" = 1 ]; then
+  run=${SMOKE_RUN:-runs/demo}
+  ( source .sgl/sglang-env.sh
+    timeout ${SMOKE_TIMEOUT:-500} python3 -m serve.smoke --target runs/demo/assets/target --drafter $run/drafter \
+      --run $run --concurrency 1,8,64 --out "$OUT/smoke" --timeout 300 \
+      --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
+      --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
+      --server-arg=--mem-fraction-static=0.3 --server-arg=--dtype=${SMOKE_DTYPE:-bfloat16} 2>&1 \
+      | tr '\r' '\n' | grep -v "^waiting for" | tail -30
+    echo "smoke rc=${PIPESTATUS[0]}" )
+fi
