@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from collections import Counter
@@ -137,6 +138,23 @@ def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: l
         bar.update(sum(sizes))
 
 
+def bytes_per_token(meta: ShardMeta) -> int:
+    """On-disk bytes per token of a features shard: aux [3H] + final [H] states in `dtype`, id and mask."""
+    itemsize = torch.finfo(getattr(torch, meta.dtype)).bits // 8
+    return (len(meta.aux_layer_ids) + 1) * meta.hidden_size * itemsize + 4 + 1
+
+
+def check_disk_budget(out: Path, tokens_left: int, per_token: int, announce: bool, margin: float = 1.05) -> None:
+    """Print bytes/token x tokens before extraction starts; refuse when the disk under `out` cannot hold it."""
+    need, free = tokens_left * per_token, shutil.disk_usage(out).free
+    if announce:
+        print(f"[extract] disk budget: {tokens_left:,} tokens left x {per_token:,} bytes/token = {need / 1e9:.2f} GB; "
+              f"{free / 1e9:.2f} GB free under {out}", flush=True)
+    if need * margin > free:
+        raise SystemExit(f"[extract] refused: {out} has {free / 1e9:.2f} GB free, the features need "
+                         f"{need / 1e9:.2f} GB (+5% margin); point run_dir at a larger disk or extract fewer samples")
+
+
 def run(cfg: EyrieConfig) -> dict | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -162,6 +180,9 @@ def run(cfg: EyrieConfig) -> dict | None:
     S = ec.samples_per_shard
     n_chunks = -(-len(samples) // S)
     mine = [c for c in range(n_chunks) if c % world == rank]
+    left = [c for c in range(n_chunks) if chunk_done(out, c, config_hash, verify=False) is None]
+    check_disk_budget(out, int(sum(samples.lengths()[c * S:(c + 1) * S].sum() for c in left)), bytes_per_token(meta),
+                      announce=rank == 0)
     todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
     print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
           f"device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)

@@ -2,12 +2,15 @@
 
     python -m serve.export --checkpoint RUN_DIR [--tag latest|best|stepN] --out DRAFTER_DIR
     python -m serve.export --from-sglang DIR --out DRAFTER_DIR
+    python -m serve.export --untrained-like DRAFTER_DIR --out DIR [--seed 0]
 
 Export consolidates the DeepSpeed checkpoint (any ZeRO stage, with DeepSpeed's zero_to_fp32), writes
 `config.json` + `model.safetensors` (bf16 weights, int64 `d2t`, bool `t2d`) + a model card, validates the key
 set, shapes, vocab and layer ids, and then, when sglang is importable, loads the directory through SGLang's
 own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config),
 validates it the same way and writes it in this layout: `train.warm_start` and `serve.evaluate` take it.
+`--untrained-like` writes a freshly initialised drafter of the same shape, vocab and layer ids: the baseline
+that shows what training bought.
 """
 from __future__ import annotations
 
@@ -120,6 +123,17 @@ def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = Tr
     return report
 
 
+def untrained_like(src: str | Path, out: str | Path, seed: int = 0) -> dict:
+    """A drafter of src's shape, draft vocab and layer ids with the initial weights training starts from."""
+    from train.drafter import Eagle3Drafter
+    config, tensors = read_config(src), read_tensors(src)
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(config, tensors["d2t"], tensors["t2d"])
+    fresh = {k: v for k, v in model.state_dict().items() if k in tensors}
+    write_drafter_dir(Path(out), config, fresh, f"# Untrained EAGLE-3 drafter shaped like `{src}` (seed {seed})\n")
+    return {"drafter": str(out), "untrained_like": str(src), "tensors": len(fresh)}
+
+
 def maybe_check_with_sglang(directory: Path) -> dict | str:
     try:
         import sglang  # noqa: F401
@@ -134,13 +148,18 @@ def main(argv: list[str] | None = None) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run directory (RUN_DIR) with train/checkpoints")
     src.add_argument("--from-sglang", help="a published EAGLE-3 drafter directory to import")
+    src.add_argument("--untrained-like", help="an exported drafter whose shape an untrained drafter takes")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed for --untrained-like")
     p.add_argument("--tag", default="latest", help="latest | best | stepN")
     p.add_argument("--out", required=True)
     p.add_argument("--no-sglang-check", action="store_true", help="skip loading the result with SGLang's loader")
     a = p.parse_args(argv)
     try:
-        report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
-            import_sglang(a.from_sglang, a.out, not a.no_sglang_check)
+        if a.untrained_like:
+            report = untrained_like(a.untrained_like, a.out, a.seed)
+        else:
+            report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
+                import_sglang(a.from_sglang, a.out, not a.no_sglang_check)
     except DrafterDirError as e:
         p.exit(1, f"error: {e}\n")
     print(json.dumps(report, indent=1))

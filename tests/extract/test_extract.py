@@ -1,6 +1,7 @@
 """`torchrun -m extract` on tiny Llama and DeepseekV3 (MLA + MoE) targets built here, on CPU."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,6 +88,11 @@ def test_two_ranks_match_a_direct_forward_bit_exactly(prepared):
     assert manifest["totals"]["rows"] == len(samples) and len(manifest["shards"]) == -(-len(samples) // 5)
     assert manifest["meta"]["aux_layer_ids"] == LAYERS and manifest["meta"]["final_hidden"] == "post_norm"
     assert {r["rank"] for r in manifest["ranks"]} == {0, 1} and all(r["samples"] > 0 for r in manifest["ranks"])
+    # the disk budget printed before extraction is what the shards then took (Arrow framing aside)
+    budget = re.search(r"disk budget: ([\d,]+) tokens left x ([\d,]+) bytes/token", out)
+    planned = int(budget[1].replace(",", "")) * int(budget[2].replace(",", ""))
+    assert int(budget[1].replace(",", "")) == manifest["totals"]["tokens"]
+    assert planned <= manifest["totals"]["bytes"] < planned * 1.05, (planned, manifest["totals"]["bytes"])
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     features = ShardDataset(run / "features")
     threads = torch.get_num_threads()
@@ -180,3 +186,14 @@ def test_parity_between_fp32_and_bf16_features(prepared, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert all(r["max_abs_diff"] == 0 for r in json.loads(same.strip().splitlines()[-1])["layers"].values())
     shutil.rmtree(run / "features")
+
+
+def test_extraction_is_refused_when_the_disk_cannot_hold_the_features(tmp_path, capsys):
+    from data.shards import ShardMeta
+    from extract.job import bytes_per_token, check_disk_budget
+    meta = ShardMeta(aux_layer_ids=[1, 29, 57], hidden_size=7168, dtype="bfloat16")  # Kimi-K2.5 / DeepSeek-V3
+    assert bytes_per_token(meta) == 4 * 7168 * 2 + 5  # 57,349 bytes: 10K samples x 4K tokens = 2.3 TB
+    check_disk_budget(tmp_path, 1000, bytes_per_token(meta), announce=True)  # 57 MB fits
+    assert "disk budget: 1,000 tokens left x 57,349 bytes/token" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="refused: .* GB free, the features need"):
+        check_disk_budget(tmp_path, 10 ** 12, bytes_per_token(meta), announce=False)
