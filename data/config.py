@@ -114,6 +114,16 @@ class TrainConfig(Section):
     warm_start: str | None = Field(None, description="exported (SGLang-format) drafter dir to start from")
 
 
+class LaunchConfig(Section):
+    """How the pipeline launches the distributed stages; it does not change what they compute."""
+    nnodes: int = Field(1, ge=1, description="nodes; more than one needs rdzv_endpoint (extract) and hostfile (train)")
+    rdzv_endpoint: str | None = Field(
+        None, description="HOST:PORT of torchrun's c10d rendezvous (first node); run the extract stage on every node")
+    hostfile: str | None = Field(
+        None, description="DeepSpeed hostfile (`host slots=8` per line): train launches on every listed host from here")
+    master_port: int | None = Field(None, ge=1, le=65535, description="DeepSpeed's rendezvous port; default: a free one")
+
+
 class EyrieConfig(Section):
     run_dir: str = Field("runs/default", description="every stage writes below this directory")
     seed: int = 0
@@ -121,6 +131,7 @@ class EyrieConfig(Section):
     data: DataConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     def section_hash(self, *names: str) -> str:
         """Stable hash of some sections, so a stage can tell whether its inputs changed."""

@@ -1,14 +1,20 @@
-"""`python -m launch.pipeline --config run.yaml [--stages data] [--section.key value ...]`
+"""`python -m launch.pipeline --config run.yaml [--run-dir DIR] [--stages data,extract] [--section.key value ...]`
 
-Runs the stages in order as the commands a user could type, printing each one, and skips a stage whose
-output records the same config sections as the current config (a dataset's manifest, the trainer's
-summary). Stages: data, extract, train, export (RUN_DIR/drafter, the best checkpoint), evaluate (offline acceptance
-and the reference speculative decoder on held-out prompts); the SGLang smoke test runs on a GPU machine
-(serve.smoke). Writes RUN_DIR/report.json.
+Runs the stages in order as the commands a user could type, printing each one. A stage is skipped when its
+output exists and its fingerprint is unchanged: a hash of the config sections it depends on, of its external
+inputs (conversation files and the target's files, by path, size and modification time, as make does) and of
+the upstream stage's fingerprint, so a change re-runs exactly the stages downstream of it.
+
+Stages: data (tokenize, draft vocab, optional self-distillation), extract (torchrun), train (deepspeed),
+export (RUN_DIR/drafter from the best checkpoint, and RUN_DIR/drafter-untrained: the same shape untrained, the
+baseline), evaluate (offline acceptance and the reference speculative decoder on held-out prompts, both
+drafters). The SGLang smoke test runs on a GPU machine (`python -m serve.smoke --run RUN_DIR ...`).
+Writes RUN_DIR/report.json; the records are in RUN_DIR/pipeline/.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import shutil
@@ -20,49 +26,61 @@ from pathlib import Path
 
 from data.config import ConfigError, EyrieConfig, load_config
 from data.prepare import samples_dir
-from data.shards import ShardError, atomic_write_json, read_manifest
+from data.shards import MANIFEST, atomic_write_json, read_manifest
 from extract.job import features_dir
 
 ROOT = Path(__file__).resolve().parents[1]
+DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, top-k 1, 4 draft tokens
 
 
-def _manifest(directory) -> dict | None:
-    try:
-        return read_manifest(directory)
-    except ShardError:
-        return None
+def outputs(cfg: EyrieConfig) -> dict[str, Path]:
+    """The file whose presence says a stage finished."""
+    run = Path(cfg.run_dir)
+    return {"data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
+            "train": run / "train" / "summary.json", "export": run / "drafter-untrained" / "config.json",
+            "evaluate": run / "evaluate" / "evaluate.json"}
 
 
-def _json(*parts: str):
-    """Reader of a JSON completion record below RUN_DIR (None while it does not exist)."""
-    def read(cfg: EyrieConfig) -> dict | None:
-        path = Path(cfg.run_dir).joinpath(*parts)
-        return json.loads(path.read_text()) if path.exists() else None
-    return read
+STAGES = ("data", "extract", "train", "export", "evaluate")
+UPSTREAM = {"extract": "data", "train": "extract", "export": "train", "evaluate": "export"}
+SECTIONS = {"data": ("target", "data"), "extract": ("target", "data", "extract"),
+            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": ()}
 
 
-_train_summary = _json("train", "summary.json")
+def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:
+    if stage == "data":
+        return [*cfg.data.inputs, cfg.target.path, cfg.target.tokenizer_path]
+    if stage in ("extract", "train"):  # the target's weights (features; the teacher's LM head)
+        return [cfg.target.path]
+    return []
 
 
-ALL = ("seed", "target", "data", "extract", "train")
-# stage -> (its completion record: a dict with the config it was made with, the config parts it depends on)
-STAGES = {
-    "data": (lambda cfg: _manifest(samples_dir(cfg)), ("target", "data")),
-    "extract": (lambda cfg: _manifest(features_dir(cfg)), ("target", "data", "extract")),
-    "train": (_train_summary, ALL),
-    "export": (_json("pipeline", "export.json"), ALL),  # the pipeline's own record: no manifest there
-    "evaluate": (_json("pipeline", "evaluate.json"), ALL),
-}
+def files_signature(path: str) -> str:
+    """Path, size and mtime of a file or of every file below a directory (no content read: corpora are large)."""
+    p = Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.exists() else []
+    return json.dumps([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files] or [(path, "missing")])
 
 
-def stage_done(cfg: EyrieConfig, stage: str) -> dict | None:
-    """The stage's completion record if it is complete for this config, else None."""
-    record_of, sections = STAGES[stage]
-    record = record_of(cfg)
-    if record is None:
-        return None
-    current = cfg.model_dump(mode="json")
-    return record if all(record.get("config", {}).get(s) == current[s] for s in sections) else None
+def fingerprint(cfg: EyrieConfig, stage: str) -> str:
+    h = hashlib.sha256(stage.encode())
+    dumped = cfg.model_dump(mode="json")
+    h.update(json.dumps({s: dumped[s] for s in SECTIONS[stage]}, sort_keys=True).encode())
+    for path in _external_inputs(cfg, stage):
+        h.update(files_signature(path).encode())
+    if stage in UPSTREAM:
+        h.update(fingerprint(cfg, UPSTREAM[stage]).encode())
+    return h.hexdigest()[:16]
+
+
+def _record(cfg: EyrieConfig, stage: str) -> Path:
+    return Path(cfg.run_dir) / "pipeline" / f"{stage}.json"
+
+
+def stage_done(cfg: EyrieConfig, stage: str) -> bool:
+    record = _record(cfg, stage)
+    return outputs(cfg)[stage].exists() and record.exists() and \
+        json.loads(record.read_text()).get("fingerprint") == fingerprint(cfg, stage)
 
 
 def _move_aside(path: Path) -> Path:
@@ -78,86 +96,121 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stage_command(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[str]:
+def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[list[str]]:
+    """The commands a stage runs, in order (what a user would type to run it by hand)."""
+    run, launch = Path(cfg.run_dir), cfg.launch
     if stage == "extract":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]
-    if stage == "export":
-        return [sys.executable, "-m", "serve.export", "--checkpoint", cfg.run_dir, "--tag", "best",
-                "--out", str(Path(cfg.run_dir) / "drafter")]
-    if stage == "evaluate":
-        return [sys.executable, "-m", "serve.evaluate", "--drafter", str(Path(cfg.run_dir) / "drafter"),
-                "--run", cfg.run_dir, "--steps", str(cfg.train.ttt_steps), "--decode", "16"]
+        if launch.nnodes == 1:
+            rendezvous = ["--standalone"]
+        elif not launch.rdzv_endpoint:
+            raise ConfigError(f"launch.nnodes is {launch.nnodes}: extraction needs launch.rdzv_endpoint "
+                              "(HOST:PORT on the first node), and the extract stage run on every node")
+        else:
+            rendezvous = ["--nnodes", str(launch.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                          launch.rdzv_endpoint, "--rdzv-id", "eyrie-" + fingerprint(cfg, "extract")]
+        return [[sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node",
+                 str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]]
     if stage == "train":
+        if launch.nnodes > 1 and not launch.hostfile:
+            raise ConfigError(f"launch.nnodes is {launch.nnodes}: training needs launch.hostfile (DeepSpeed "
+                              "launches every host listed there from this node)")
         found = Path(sys.executable).parent / "deepspeed"
         launcher = [str(found)] if found.exists() else [shutil.which("deepspeed")] if shutil.which("deepspeed") \
             else [sys.executable, "-m", "deepspeed.launcher.runner"]
-        return [*launcher, "--num_gpus", str(cfg.train.nproc_per_node),
-                "--master_port", str(free_port()), str(ROOT / "train" / "main.py"), "--config", config, *overrides]
-    return [sys.executable, "-m", stage, "--config", config, *overrides]
+        hosts = ["--hostfile", launch.hostfile] if launch.hostfile else []
+        return [[*launcher, *hosts, "--num_gpus", str(cfg.train.nproc_per_node),
+                 "--master_port", str(launch.master_port or free_port()), str(ROOT / "train" / "main.py"),
+                 "--config", config, *overrides]]
+    if stage == "export":
+        return [[sys.executable, "-m", "serve.export", "--checkpoint", str(run), "--tag", "best",
+                 "--out", str(run / "drafter")],
+                [sys.executable, "-m", "serve.export", "--untrained-like", str(run / "drafter"),
+                 "--seed", str(cfg.seed), "--out", str(run / "drafter-untrained")]]
+    if stage == "evaluate":
+        return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run / "drafter"),
+                 "--drafter", str(run / "drafter-untrained"), "--run", str(run), "--steps", str(cfg.train.ttt_steps),
+                 "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
+    return [[sys.executable, "-m", stage, "--config", config, *overrides]]
+
+
+def summarize(cfg: EyrieConfig, report: dict) -> dict:
+    """report.json: the acceptance numbers on top, then what each finished stage recorded."""
+    run = Path(cfg.run_dir)
+    if stage_done(cfg, "data"):
+        manifest = read_manifest(samples_dir(cfg))
+        report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
+                   "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
+    if stage_done(cfg, "extract"):
+        features = read_manifest(features_dir(cfg))
+        report["features"] = {"dir": str(features_dir(cfg)), **features["totals"], "skipped": features["skipped"],
+                              "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
+    if stage_done(cfg, "train"):
+        trained = json.loads(outputs(cfg)["train"].read_text())
+        report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
+    if stage_done(cfg, "evaluate"):
+        ev = json.loads(outputs(cfg)["evaluate"].read_text())
+        trained, untrained = str(run / "drafter"), str(run / "drafter-untrained")
+        decoded = ev["decode"]
+        report |= {
+            "drafter_dir": trained,
+            "accept_length": decoded[trained]["accept_length"],
+            "accept_length_untrained": decoded[untrained]["accept_length"],
+            "lossless": decoded[trained]["identical_to_greedy"] and decoded[untrained]["identical_to_greedy"],
+            "offline_accept_length": ev["drafters"][trained]["accept_length_by_steps"][DECODE_STEPS - 1],
+            "accept_length_formula": f"reference decoder, chain {DECODE_STEPS} steps / top-k 1 / "
+                                     f"{DECODE_STEPS + 1} draft tokens, greedy, {len(decoded[trained]['prompts'])} "
+                                     "held-out prompts: completion tokens / target verify steps (SGLang's "
+                                     f"spec_accept_length); offline: tau({DECODE_STEPS}) on held-out features",
+            "offline_accept_length_by_steps": [round(x, 3) for x in ev["drafters"][trained]["accept_length_by_steps"]],
+            "offline_alpha_by_position": [round(x, 3) for x in ev["drafters"][trained]["alpha_by_position"]],
+            "speedup_wall_clock": {"value": decoded[trained]["speedup_wall_clock"], "device": decoded[trained]["device"]}}
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", help="same as --run_dir DIR: where every stage writes")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     args, overrides = p.parse_known_args(argv)
+    if args.run_dir:
+        overrides += ["--run_dir", args.run_dir]
     try:
         cfg = load_config(args.config, overrides)
+        stages = [s for s in args.stages.split(",") if s]
+        unknown = set(stages) - set(STAGES)
+        if unknown:
+            raise ConfigError(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+        commands = {s: stage_commands(cfg, s, args.config, overrides) for s in stages}
     except ConfigError as e:
         p.exit(2, f"error: {e}\n")
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = set(stages) - set(STAGES)
-    if unknown:
-        p.exit(2, f"error: unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}\n")
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "pipeline").mkdir(parents=True, exist_ok=True)
     report_path = run_dir / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     report.setdefault("stage_seconds", {})
     for stage in stages:
         if stage_done(cfg, stage):
-            print(f"[pipeline] {stage}: complete for this config, skipped", flush=True)
+            print(f"[pipeline] {stage}: complete, inputs unchanged; skipped", flush=True)
             continue
-        if stage == "train" and _train_summary(cfg):  # a finished run for another config: keep it, start anew
+        if stage == "train" and outputs(cfg)["train"].exists():  # finished for other inputs: keep it, start anew
             moved = _move_aside(run_dir / "train")
-            print(f"[pipeline] train: {run_dir / 'train'} was trained for another config; moved to {moved}",
-                  flush=True)
-        cmd = stage_command(cfg, stage, args.config, overrides)
-        print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
+            print(f"[pipeline] train: {run_dir / 'train'} was trained on other inputs; moved to {moved}", flush=True)
         start = time.time()
-        subprocess.run(cmd, check=True)
+        for cmd in commands[stage]:
+            print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
+            subprocess.run(cmd, check=True)
         report["stage_seconds"][stage] = round(time.time() - start, 2)
-        if stage in ("export", "evaluate"):
-            (run_dir / "pipeline").mkdir(exist_ok=True)
-            atomic_write_json(run_dir / "pipeline" / f"{stage}.json", {"config": cfg.model_dump(mode="json")})
-    manifest = stage_done(cfg, "data")
-    if manifest:
-        report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
-                   "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
-    features = stage_done(cfg, "extract")
-    if features:
-        report["features"] = {"dir": str(features_dir(cfg)), **features["totals"],
-                              "skipped": features["skipped"],
-                              "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
-    trained = stage_done(cfg, "train")
-    if trained:
-        report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
-    evaluated = run_dir / "evaluate" / "evaluate.json"
-    if stage_done(cfg, "evaluate") and evaluated.exists():
-        ev = json.loads(evaluated.read_text())
-        offline = next(iter(ev["drafters"].values()))
-        decoded = next(iter(ev.get("decode", {}).values()), {})
-        report["drafter"] = {
-            "dir": str(run_dir / "drafter"),
-            "offline_accept_length_by_steps": [round(x, 3) for x in offline["accept_length_by_steps"]],
-            "offline_alpha_by_position": [round(x, 3) for x in offline["alpha_by_position"]],
-            "reference_decoder": {k: decoded.get(k) for k in ("steps", "accept_length", "identical_to_greedy",
-                                                             "speedup_wall_clock", "completion_tokens",
-                                                             "verify_calls")},
-            "accept_length_formula": "tokens emitted per target verify step (SGLang's spec_accept_length)"}
+        atomic_write_json(_record(cfg, stage), {"fingerprint": fingerprint(cfg, stage), "commands": commands[stage],
+                                                "seconds": report["stage_seconds"][stage],
+                                                "config": cfg.model_dump(mode="json")})
+    report = summarize(cfg, report)
     atomic_write_json(report_path, report)
-    print(f"[pipeline] report: {report_path}\n{json.dumps(report, indent=1)}")
+    print(f"[pipeline] report: {report_path}")
+    if "accept_length" in report:
+        print(f"[pipeline] accept length {report['accept_length']:.2f} (untrained drafter "
+              f"{report['accept_length_untrained']:.2f}; offline {report['offline_accept_length']:.2f}), "
+              f"lossless: {report['lossless']}; drafter: {report['drafter_dir']}")
     return report
 
 

@@ -4,14 +4,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launch.demo_target import make_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pipeline(config, *args):
+def pipeline(config, *args, stages="data,extract,train"):
     out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(config),
-                          "--stages", "data,extract,train", *args], cwd=ROOT,
+                          "--stages", stages, *args], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -34,14 +36,64 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
     assert "deepspeed --num_gpus 1 --master_port" in first and report["train"]["steps"] == 3
 
     again = pipeline(config)
-    assert "data: complete for this config, skipped" in again and "extract: complete for this config, skipped" in again
-    assert "train: complete for this config, skipped" in again
+    assert "data: complete, inputs unchanged; skipped" in again and "extract: complete, inputs unchanged; skipped" in again
+    assert "train: complete, inputs unchanged; skipped" in again
 
     changed = pipeline(config, "--extract.dtype", "bfloat16")
-    assert "data: complete for this config, skipped" in changed and "-m extract" in changed
+    assert "data: complete, inputs unchanged; skipped" in changed and "-m extract" in changed
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     features = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())
     assert features["meta"]["dtype"] == "bfloat16" and report["features"]["rows"] == 30
     # new features: the old drafter run is kept aside and a new one trains on them
-    assert "was trained for another config; moved to" in changed and (tmp_path / "run" / "train.prev-1").is_dir()
+    assert "was trained on other inputs; moved to" in changed and (tmp_path / "run" / "train.prev-1").is_dir()
     assert report["train"]["steps"] == 3 and "resumed" not in changed
+
+    # an input file changed (same config): its stage and everything downstream run again
+    convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(31, seed=2)))
+    edited = pipeline(config, "--extract.dtype", "bfloat16", stages="data,extract")
+    assert "-m data --config" in edited and "-m extract --config" in edited
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["samples"] == 31
+
+
+def config_with(**sections):
+    from data.config import load_config
+    base = {"run_dir": "runs/x", "target": {"path": "t"}, "data": {"inputs": ["c.jsonl"]}}
+    return load_config(None, [f"--{k}={json.dumps(v)}" for k, v in {**base, **sections}.items()])
+
+
+def test_a_config_change_invalidates_exactly_the_stages_downstream_of_it():
+    from launch.pipeline import STAGES, fingerprint
+    base = config_with()
+
+    def changed(**sections):
+        cfg = config_with(**sections)
+        return [s for s in STAGES if fingerprint(cfg, s) != fingerprint(base, s)]
+    assert changed(train={"optim": {"lr": 0.01}}) == ["train", "export", "evaluate"]
+    assert changed(extract={"dtype": "bfloat16"}) == ["extract", "train", "export", "evaluate"]
+    assert changed(data={"inputs": ["c.jsonl"], "max_length": 512}) == list(STAGES)
+    assert changed(seed=1) == ["train", "export", "evaluate"]
+    assert changed(launch={"master_port": 29501}) == []  # how it launches does not change what it computes
+
+
+def test_multi_node_commands(tmp_path):
+    from data.config import ConfigError
+    from launch.pipeline import stage_commands
+    cfg = config_with(launch={"nnodes": 2, "rdzv_endpoint": "node0:29400", "hostfile": "/etc/hosts.ds",
+                              "master_port": 29600},
+                      extract={"nproc_per_node": 8}, train={"nproc_per_node": 8})
+    [extract] = stage_commands(cfg, "extract", "run.yaml", [])
+    assert extract[extract.index("torch.distributed.run") + 1:extract.index("-m", 3)] == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id",
+        extract[extract.index("--rdzv-id") + 1], "--nproc-per-node", "8"]
+    assert extract[extract.index("--rdzv-id") + 1].startswith("eyrie-")  # the same on every node
+    [train] = stage_commands(cfg, "train", "run.yaml", ["--train.epochs", "2"])
+    i = train.index("--hostfile")
+    assert train[i:i + 6] == ["--hostfile", "/etc/hosts.ds", "--num_gpus", "8", "--master_port", "29600"]
+    assert train[-4:] == ["--config", "run.yaml", "--train.epochs", "2"] and train[-5].endswith("train/main.py")
+    single = config_with()
+    assert "--standalone" in stage_commands(single, "extract", "run.yaml", [])[0]
+    assert "--hostfile" not in stage_commands(single, "train", "run.yaml", [])[0]
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        stage_commands(config_with(launch={"nnodes": 2, "hostfile": "h"}), "extract", "run.yaml", [])
+    with pytest.raises(ConfigError, match="hostfile"):
+        stage_commands(config_with(launch={"nnodes": 2, "rdzv_endpoint": "a:1"}), "train", "run.yaml", [])
