@@ -41,8 +41,8 @@ class RegenerateConfig(Section):
     concurrency: int = Field(8, ge=1, description="requests in flight")
     max_retries: int = Field(3, ge=0, description="retries per request after the first try")
     timeout_s: float = Field(600.0, gt=0, description="per-request timeout")
-    max_new_tokens: int = Field(1024, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(1024, ge=1, description="answer length cap (replies that hit it are counted)")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy, the answers the target serves at temperature 0")
     keep_reasoning: bool = Field(True, description="keep the target's reasoning_content in the training text")
 
 
@@ -53,7 +53,7 @@ class DataConfig(Section):
     overflow: Literal["truncate", "drop"] = Field("truncate", description="what to do with longer samples")
     loss_on: Literal["all", "last"] = Field("all", description="assistant turns that carry loss")
     draft_vocab_size: int = Field(32000, ge=1, description="size of the drafter's output vocabulary")
-    samples_per_shard: int = Field(1000, ge=1)
+    samples_per_shard: int = Field(1000, ge=1, description="samples per token shard")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
 
 
@@ -82,10 +82,10 @@ class OptimConfig(Section):
     """What the generated DeepSpeed config is made of. With `--deepspeed_config FILE` that file is the only
     source of these values, and setting any of them here too is an error (one source of truth)."""
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage")
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = Field(50, ge=0)
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (after warmup)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    warmup_steps: int = Field(50, ge=0, description="linear warmup from 0, in optimizer steps")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="after warmup")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     clip_grad: float = Field(0.5, gt=0, description="gradient norm clipping")
@@ -99,7 +99,7 @@ class TrainConfig(Section):
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
     ttt_decay: float = Field(0.8, gt=0, description="loss weight of TTT step i is ttt_decay**i")
     max_batch_tokens: int = Field(8192, ge=8, description="padded tokens per micro-batch per rank")
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over the training shards")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs over the data")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
@@ -110,7 +110,7 @@ class TrainConfig(Section):
     eval_every: int = Field(200, ge=1, description="optimizer steps between evals (and at the end)")
     save_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept besides the best")
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, description="optimizer steps between TensorBoard / log.jsonl entries")
     warm_start: str | None = Field(None, description="exported (SGLang-format) drafter dir to start from")
 
 
@@ -126,7 +126,7 @@ class LaunchConfig(Section):
 
 class EyrieConfig(Section):
     run_dir: str = Field("runs/default", description="every stage writes below this directory")
-    seed: int = 0
+    seed: int = Field(0, description="seeds data order, drafter initialisation and the untrained baseline")
     target: TargetConfig
     data: DataConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
@@ -137,6 +137,20 @@ class EyrieConfig(Section):
         """Stable hash of some sections, so a stage can tell whether its inputs changed."""
         blob = json.dumps({n: getattr(self, n).model_dump(mode="json") for n in names}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tensorboard_dir(run_dir: str | Path, stage: str) -> Path:
+    """One TensorBoard log dir per run, a subdirectory per stage: `tensorboard --logdir RUN_DIR/tensorboard`."""
+    return Path(run_dir) / "tensorboard" / stage
+
+
+def write_scalars(run_dir: str | Path, stage: str, by_step: dict[int, dict[str, float]]) -> None:
+    """A stage's summary numbers (extraction throughput, offline acceptance) beside the trainer's curves."""
+    from torch.utils.tensorboard import SummaryWriter
+    with SummaryWriter(str(tensorboard_dir(run_dir, stage))) as writer:
+        for step, scalars in by_step.items():
+            for name, value in scalars.items():
+                writer.add_scalar(f"{stage}/{name}", value, step)
 
 
 class ConfigError(ValueError):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data.config import EyrieConfig
+from data.config import EyrieConfig, write_scalars
 from data.batching import length_grouped_batches
 from data.prepare import samples_dir
 from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json, file_checksum,
@@ -241,6 +241,10 @@ def _merge(cfg: EyrieConfig, out: Path, meta: ShardMeta, n_chunks: int, world: i
     manifest = write_manifest(out, meta, [r["shard"] for r in records], skipped=dict(skipped), ranks=ranks,
                               config=cfg.model_dump(mode="json"), config_hash=config_hash)
     t = manifest["totals"]
+    write_scalars(cfg.run_dir, "extract", {0: {
+        "samples": t["rows"], "tokens": t["tokens"], "skipped": sum(skipped.values()),
+        "bytes_per_token": t["bytes_per_token"], **{f"tokens_per_s_rank{r['rank']}": r["tokens_per_s"] or 0
+                                                    for r in ranks}}})
     print(f"[extract] {t['rows']} samples, {t['tokens']} tokens, {t['bytes'] / 1e6:.1f} MB, "
           f"{t['bytes_per_token']:.0f} bytes/token, skipped {dict(skipped) or 'none'} → {out}", flush=True)
     return manifest

@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = Path(cfg.run_dir)
     (run_dir / "pipeline").mkdir(parents=True, exist_ok=True)
     report_path = run_dir / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    report.setdefault("stage_seconds", {})
+    earlier = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report = {"stage_seconds": earlier.get("stage_seconds", {})}  # of the runs that made the current outputs
     for stage in stages:
         if stage_done(cfg, stage):
             print(f"[pipeline] {stage}: complete, inputs unchanged; skipped", flush=True)

@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.batching import length_grouped_batches
+from data.config import write_scalars
 from data.shards import read_manifest
 from data.target import load_target_info
 from train.drafter import Eagle3Drafter
-from data.batching import length_grouped_batches
 from train.loader import FeatureData
 from train.teacher import Teacher
 from train.metrics import score
@@ -148,6 +149,14 @@ def main(argv: list[str] | None = None) -> dict:
                             for d in a.drafter}
     (out / "evaluate.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "acceptance.png")
+    scalars: dict[int, dict[str, float]] = {}  # x axis: draft steps k
+    for name, r in report["drafters"].items():
+        for k in range(report["steps"]):
+            scalars.setdefault(k + 1, {}).update({f"{Path(name).name}/alpha": r["alpha_by_position"][k],
+                                                  f"{Path(name).name}/accept_length": r["accept_length_by_steps"][k]})
+    for name, d in report.get("decode", {}).items():
+        scalars.setdefault(d["steps"], {})[f"{Path(name).name}/reference_decoder_accept_length"] = d["accept_length"]
+    write_scalars(a.run, "evaluate", scalars)
     print_table(report)
     for name, d in report.get("decode", {}).items():
         print(f"reference decoder, {name}: accept length {d['accept_length']:.3f} ({d['accept_length_formula']}) "

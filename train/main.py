@@ -20,7 +20,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from data.config import EyrieConfig, cli_config
+from data.config import EyrieConfig, cli_config, tensorboard_dir
 from data.prepare import data_dir
 from data.shards import atomic_write_json
 from data.target import load_target_info
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "drafter_config.json", model.config.to_dict())
-    log = Logger(out, total, state["step"], enabled=rank == 0)
+    log = Logger(out, tensorboard_dir(cfg.run_dir, "train"), total, state["step"], enabled=rank == 0)
     log.message(f"[train] {len(data.train_idx)} train / {len(data.eval_idx)} eval samples, {world} ranks, "
                 f"{steps_per_epoch} steps per epoch, {total} steps, padding "
                 f"{data.padding_fraction(data.epoch_plan(0)):.1%}" + (f", resumed at step {state['step']}"

@@ -61,13 +61,13 @@ def score(model, data, batches: list[list[int]], teacher, steps: int, decay: flo
 
 
 class Logger:
-    def __init__(self, directory: Path, total_steps: int, start_step: int, enabled: bool):
+    def __init__(self, directory: Path, tensorboard: Path, total_steps: int, start_step: int, enabled: bool):
         self.enabled = enabled
         self.writer = self.bar = self.jsonl = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
             directory.mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(str(directory / "tensorboard"), purge_step=start_step + 1)
+            self.writer = SummaryWriter(str(tensorboard), purge_step=start_step + 1)
             self.jsonl = open(directory / "log.jsonl", "a")
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 

@@ -16,6 +16,15 @@ def test_demo_report_has_the_measured_acceptance(demo_run):
     assert f"[pipeline] accept length {report['accept_length']:.2f}" in out
     assert report["lossless"] is True and report["drafter_dir"] == str(run / "drafter")
     assert set(report["stage_seconds"]) == {"data", "extract", "train", "export", "evaluate"}
+    # one TensorBoard dir for the run, every stage with numbers in it
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    events = EventMultiplexer().AddRunsFromDirectory(str(run / "tensorboard"))
+    events.Reload()
+    tags = {run_name: set(t["scalars"]) for run_name, t in events.Runs().items()}
+    assert {"extract/tokens_per_s_rank1", "extract/bytes_per_token"} <= tags["extract"]
+    assert {"train/loss", "eval/accept_length"} <= tags["train"]
+    assert {"evaluate/drafter/accept_length", "evaluate/drafter-untrained/reference_decoder_accept_length"} \
+        <= tags["evaluate"]
     # trained vs the same drafter untrained, on the same held-out prompts
     assert report["accept_length"] > 2.0 and report["accept_length_untrained"] < 1.3, report
     # the tolerance we state: offline (teacher-forced, held-out samples) within 10% of the decoder (held-out

@@ -24,7 +24,7 @@ def test_two_ranks_train(stage, zero2_run, zero3_run):
     assert "2 ranks" in out and out.count("resolved config:") == 1  # rank 0 alone prints
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(run / "train" / "tensorboard"))
+    events = EventAccumulator(str(run / "tensorboard" / "train"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/loss_step0", "train/acc_step2", "train/accept_length", "train/lr",
