@@ -97,3 +97,24 @@ def test_multi_node_commands(tmp_path):
         stage_commands(config_with(launch={"nnodes": 2, "hostfile": "h"}), "extract", "run.yaml", [])
     with pytest.raises(ConfigError, match="hostfile"):
         stage_commands(config_with(launch={"nnodes": 2, "rdzv_endpoint": "a:1"}), "train", "run.yaml", [])
+
+
+def test_readme_config_reference_is_generated_from_the_config_classes():
+    from launch.config_reference import README, reference
+    assert reference() in README.read_text(), "run: python -m launch.config_reference --write"
+    undocumented = [line.split("|")[1] for line in reference().splitlines()
+                    if line.startswith("| `") and not line.rstrip(" |").split("|")[-1].strip()]
+    assert not undocumented, undocumented
+
+
+def test_shipped_configs_and_the_slurm_template(tmp_path):
+    import re
+    from data.config import load_config
+    for config in (ROOT / "launch" / "configs").glob("*.yaml"):
+        load_config(config)  # every shipped config is valid
+    sbatch = ROOT / "launch" / "slurm" / "eyrie.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    keys = re.findall(r"--((?:launch|extract|train)\.[a-z_]+) ", sbatch.read_text())
+    assert len(keys) == 5
+    cfg = load_config(ROOT / "launch" / "configs" / "llama3-8b.yaml", [x for k in keys for x in (f"--{k}", "2")])
+    assert cfg.launch.nnodes == 2 and cfg.train.nproc_per_node == 2
