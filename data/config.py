@@ -114,6 +114,14 @@ class TrainConfig(Section):
     warm_start: str | None = Field(None, description="exported (SGLang-format) drafter dir to start from")
 
 
+class ServeConfig(Section):
+    """The SGLang serving smoke test the pipeline's `smoke` stage runs (GPU machines only)."""
+    tp: int = Field(1, ge=1, description="tensor parallel size of both SGLang servers")
+    concurrency: list[int] = Field([1, 8, 64], description="concurrencies measured (tokens/s, baseline vs EAGLE3)")
+    server_args: list[str] = Field([], description="extra sglang.launch_server arguments, e.g. --attention-backend=triton")
+    timeout_s: float = Field(900, gt=0, description="seconds to wait for each server to become ready")
+
+
 class LaunchConfig(Section):
     """How the pipeline launches the distributed stages; it does not change what they compute."""
     nnodes: int = Field(1, ge=1, description="nodes; more than one needs rdzv_endpoint (extract) and hostfile (train)")
@@ -131,6 +139,7 @@ class EyrieConfig(Section):
     data: DataConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     def section_hash(self, *names: str) -> str:

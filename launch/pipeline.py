@@ -8,7 +8,8 @@ the upstream stage's fingerprint, so a change re-runs exactly the stages downstr
 Stages: data (tokenize, draft vocab, optional self-distillation), extract (torchrun), train (deepspeed),
 export (RUN_DIR/drafter from the best checkpoint, and RUN_DIR/drafter-untrained: the same shape untrained, the
 baseline), evaluate (offline acceptance and the reference speculative decoder on held-out prompts, both
-drafters). The SGLang smoke test runs on a GPU machine (`python -m serve.smoke --run RUN_DIR ...`).
+drafters), and, when asked for (`--stages ...,smoke`, GPU machines), smoke: SGLang serving the drafter
+(serve.smoke, configured by the `serve` section).
 Writes RUN_DIR/report.json; the records are in RUN_DIR/pipeline/.
 """
 from __future__ import annotations
@@ -38,13 +39,14 @@ def outputs(cfg: EyrieConfig) -> dict[str, Path]:
     run = Path(cfg.run_dir)
     return {"data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
             "train": run / "train" / "summary.json", "export": run / "drafter-untrained" / "config.json",
-            "evaluate": run / "evaluate" / "evaluate.json"}
+            "evaluate": run / "evaluate" / "evaluate.json", "smoke": run / "smoke" / "report.json"}
 
 
-STAGES = ("data", "extract", "train", "export", "evaluate")
-UPSTREAM = {"extract": "data", "train": "extract", "export": "train", "evaluate": "export"}
+STAGES = ("data", "extract", "train", "export", "evaluate", "smoke")
+DEFAULT_STAGES = STAGES[:-1]  # smoke needs a GPU machine with SGLang: run it by name
+UPSTREAM = {"extract": "data", "train": "extract", "export": "train", "evaluate": "export", "smoke": "evaluate"}
 SECTIONS = {"data": ("target", "data"), "extract": ("target", "data", "extract"),
-            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": ()}
+            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (), "smoke": ("serve",)}
 
 
 def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:
@@ -130,6 +132,12 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
         return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run / "drafter"),
                  "--drafter", str(run / "drafter-untrained"), "--run", str(run), "--steps", str(cfg.train.ttt_steps),
                  "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
+    if stage == "smoke":
+        sv = cfg.serve
+        return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run / "drafter"),
+                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", str(DECODE_STEPS),
+                 "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
+                 *[f"--server-arg={a}" for a in sv.server_args]]]
     return [[sys.executable, "-m", stage, "--config", config, *overrides]]
 
 
@@ -164,6 +172,11 @@ def summarize(cfg: EyrieConfig, report: dict) -> dict:
             "offline_accept_length_by_steps": [round(x, 3) for x in ev["drafters"][trained]["accept_length_by_steps"]],
             "offline_alpha_by_position": [round(x, 3) for x in ev["drafters"][trained]["alpha_by_position"]],
             "speedup_wall_clock": {"value": decoded[trained]["speedup_wall_clock"], "device": decoded[trained]["device"]}}
+    if stage_done(cfg, "smoke"):
+        smoke = json.loads(outputs(cfg)["smoke"].read_text())
+        report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
+                            "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
+                                             "eagle3": smoke["eagle3"]["tokens_per_s"]}, "verdict": smoke["verdict"]}
     return report
 
 
@@ -171,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", help="same as --run_dir DIR: where every stage writes")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)} (default: all but smoke)")
     args, overrides = p.parse_known_args(argv)
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
@@ -181,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = set(stages) - set(STAGES)
         if unknown:
             raise ConfigError(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+        if "smoke" in stages and shutil.which("nvidia-smi") is None:
+            raise ConfigError("the smoke stage starts SGLang servers: run it on a GPU machine with sglang installed")
         commands = {s: stage_commands(cfg, s, args.config, overrides) for s in stages}
     except ConfigError as e:
         p.exit(2, f"error: {e}\n")

@@ -58,7 +58,8 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
 def config_with(**sections):
     from data.config import load_config
     base = {"run_dir": "runs/x", "target": {"path": "t"}, "data": {"inputs": ["c.jsonl"]}}
-    return load_config(None, [f"--{k}={json.dumps(v)}" for k, v in {**base, **sections}.items()])
+    return load_config(None, [f"--{k}={v if isinstance(v, str) else json.dumps(v)}"
+                              for k, v in {**base, **sections}.items()])
 
 
 def test_a_config_change_invalidates_exactly_the_stages_downstream_of_it():
@@ -68,10 +69,11 @@ def test_a_config_change_invalidates_exactly_the_stages_downstream_of_it():
     def changed(**sections):
         cfg = config_with(**sections)
         return [s for s in STAGES if fingerprint(cfg, s) != fingerprint(base, s)]
-    assert changed(train={"optim": {"lr": 0.01}}) == ["train", "export", "evaluate"]
-    assert changed(extract={"dtype": "bfloat16"}) == ["extract", "train", "export", "evaluate"]
+    assert changed(train={"optim": {"lr": 0.01}}) == ["train", "export", "evaluate", "smoke"]
+    assert changed(extract={"dtype": "bfloat16"}) == ["extract", "train", "export", "evaluate", "smoke"]
     assert changed(data={"inputs": ["c.jsonl"], "max_length": 512}) == list(STAGES)
-    assert changed(seed=1) == ["train", "export", "evaluate"]
+    assert changed(seed=1) == ["train", "export", "evaluate", "smoke"]
+    assert changed(serve={"tp": 8}) == ["smoke"]
     assert changed(launch={"master_port": 29501}) == []  # how it launches does not change what it computes
 
 
@@ -118,3 +120,14 @@ def test_shipped_configs_and_the_slurm_template(tmp_path):
     assert len(keys) == 5
     cfg = load_config(ROOT / "launch" / "configs" / "llama3-8b.yaml", [x for k in keys for x in (f"--{k}", "2")])
     assert cfg.launch.nnodes == 2 and cfg.train.nproc_per_node == 2
+
+
+def test_smoke_stage_command_serves_the_run_drafter_with_the_decoders_chain():
+    from launch.pipeline import DECODE_STEPS, DEFAULT_STAGES, stage_commands
+    cfg = config_with(serve={"tp": 8, "concurrency": [1, 64], "server_args": ["--attention-backend=triton"]})
+    [smoke] = stage_commands(cfg, "smoke", "run.yaml", [])
+    assert smoke[1:3] == ["-m", "serve.smoke"] and "smoke" not in DEFAULT_STAGES
+    flag = {smoke[i]: smoke[i + 1] for i in range(3, len(smoke) - 1) if smoke[i].startswith("--")}
+    assert flag["--drafter"] == "runs/x/drafter" and flag["--run"] == "runs/x" and flag["--tp"] == "8"
+    assert flag["--steps"] == str(DECODE_STEPS) and flag["--concurrency"] == "1,64"
+    assert smoke[-1] == "--server-arg=--attention-backend=triton"
