@@ -58,7 +58,9 @@ class DataConfig(Section):
 
 
 class ExtractConfig(Section):
-    backend: Literal["hf"] = Field("hf", description="hf: transformers target (CPU or GPU)")
+    backend: Literal["auto", "sglang", "hf"] = Field(
+        "auto", description="sglang: SGLang's model code in-process (GPU, the numerics that serve); hf: transformers "
+                            "(CPU or GPU); auto: sglang where a GPU and a tested sglang are present, else hf")
     nproc_per_node: int = Field(1, ge=1, description="torchrun ranks the pipeline launches (one per GPU)")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="target compute and storage dtype; auto = bfloat16 on GPU, float32 on CPU")

@@ -31,6 +31,8 @@ from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json
 from data.target import load_target_info
 
 from .hf import FINAL_HIDDEN, HFBackend
+from .sglang import MAX_FORWARD_TOKENS, SGLangBackend
+from .sglang import available as sglang_available
 
 
 def features_dir(cfg: EyrieConfig) -> Path:
@@ -109,7 +111,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def extract_chunk(backend: HFBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
+def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
                   io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
     for batch in length_grouped_batches(lengths, np.asarray(indices), max_tokens, None):
         rows = [samples[i] for i in batch]
@@ -155,12 +157,41 @@ def check_disk_budget(out: Path, tokens_left: int, per_token: int, announce: boo
                          f"{need / 1e9:.2f} GB (+5% margin); point run_dir at a larger disk or extract fewer samples")
 
 
+def wait_for_all_ranks(rank: int, world: int) -> None:
+    """Rank 0 returns once every rank has called this; the others return at once. Through the launcher's
+    key-value store, not a process group: the sglang backend's runner owns this process's default group."""
+    if world == 1:
+        return
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts a store at MASTER_PORT
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timedelta(hours=48))
+    key = f"eyrie/extract/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    store.add(key, 1)
+    while rank == 0 and store.add(key, 0) < world:
+        time.sleep(1)
+
+
+def resolve_backend(cfg: EyrieConfig) -> tuple[str, str]:
+    """(backend, dtype) this run uses; `auto` is sglang where a GPU and a tested sglang are present."""
+    ec = cfg.extract
+    backend = ec.backend if ec.backend != "auto" else "sglang" if sglang_available() else "hf"
+    if backend == "hf":
+        gpu = ec.device.startswith("cuda") or ec.device == "auto" and torch.cuda.is_available()
+        return backend, ec.dtype if ec.dtype != "auto" else "bfloat16" if gpu else "float32"
+    if ec.dtype == "float32":
+        raise ValueError("extract.backend sglang runs bfloat16 (SGLang's kernels have no float32 RMSNorm); "
+                         "set extract.dtype auto or bfloat16, or use extract.backend hf")
+    if cfg.data.max_length > MAX_FORWARD_TOKENS:
+        raise ValueError(f"extract.backend sglang: data.max_length {cfg.data.max_length} is above the "
+                         f"{MAX_FORWARD_TOKENS} tokens it runs in one forward; use extract.backend hf")
+    return backend, "bfloat16"
+
+
 def run(cfg: EyrieConfig) -> dict | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(hours=48))  # only barriers; any device
     ec = cfg.extract
+    backend_name, dtype_name = resolve_backend(cfg)
     samples = ShardDataset(samples_dir(cfg))
     info = load_target_info(cfg.target.path)
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
@@ -168,12 +199,11 @@ def run(cfg: EyrieConfig) -> dict | None:
         device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(ec.device)
-    dtype_name = ec.dtype if ec.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
-                     final_hidden=FINAL_HIDDEN, extra={"backend": ec.backend})
+                     final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
     # What the shards' content depends on; a completed shard from another config is extracted again.
-    config_hash = f"{cfg.section_hash('target', 'data')}-{ec.backend}-{dtype_name}-{ec.samples_per_shard}"
+    config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}"
     out = features_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -185,11 +215,15 @@ def run(cfg: EyrieConfig) -> dict | None:
                       announce=rank == 0)
     todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
     print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
-          f"device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)
+          f"{backend_name} backend, device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)
     stats = {"rank": rank, "samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "skipped": Counter()}
     if todo:
-        backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
-                            cfg.target.trust_remote_code)
+        if backend_name == "sglang":
+            backend = SGLangBackend(cfg.target.path, layer_ids, device.index or 0, cfg.target.trust_remote_code)
+        else:
+            backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
+                                cfg.target.trust_remote_code)
+        max_tokens = min(ec.max_batch_tokens, getattr(backend, "max_forward_tokens", ec.max_batch_tokens))
         lengths = samples.lengths()
         total = int(sum(lengths[c * S:(c + 1) * S].sum() for c in todo))
         bar = tqdm(total=total, desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
@@ -200,7 +234,7 @@ def run(cfg: EyrieConfig) -> dict | None:
             writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
             try:
                 extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer, io,
-                              ec.max_batch_tokens, skipped, bar)
+                              max_tokens, skipped, bar)
                 io.flush()  # this shard's rows are all written before it is sealed
                 shard = writer.close()
             except BaseException:
@@ -220,8 +254,7 @@ def run(cfg: EyrieConfig) -> dict | None:
     stats["skipped"] = dict(stats["skipped"])
     print(f"[extract] rank {rank}: {json.dumps(stats)}", flush=True)
     atomic_write_json(out / f".rank-{rank}.json", stats)
-    if world > 1:
-        dist.barrier()
+    wait_for_all_ranks(rank, world)
     if rank != 0:
         return None
     return _merge(cfg, out, meta, n_chunks, world, config_hash)

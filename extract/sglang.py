@@ -1,0 +1,149 @@
+"""The SGLang backend: the target runs in SGLang's own model code, weight loader and kernels, in-process.
+
+The numerics that will serve are the numerics the drafter learns from. SGLang is driven the way its own
+`sglang.bench_one_batch` drives it (one `ModelRunner` per rank; `ScheduleBatch.init_new` →
+`prepare_for_extend` → `ForwardBatch.init_new` → `forward`), with the model's built-in EAGLE-3 capture
+(`set_eagle3_layers_to_capture(ids)`: SGLang adds 1 itself, so id i is the output of decoder layer i, our
+convention) and `Req(return_hidden_states=True)`, which returns the aux states `[tokens, n_aux * H]`
+concatenated and flat over the batch's requests. The final state (post-norm, as the hf backend stores it) is
+read with a forward hook on the model's final norm. The states stay GPU tensors; nothing of SGLang is
+patched. Every version-specific call is in this module; versions not listed in TESTED_VERSIONS are refused.
+
+Measured parity with transformers on the H200 (tests/benchmarks/RESULTS.md): min cosine 0.9999 (aux),
+0.9998 (final), bf16. One tensor-parallel rank per process (tp 1); tensor parallelism is not supported yet.
+"""
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import torch
+
+TESTED_VERSIONS = ("0.5.14",)
+# SGLang sizes its per-forward buffers by chunked_prefill_size; 16,384 tokens in one forward failed at the
+# default 8,192 (tests/benchmarks/RESULTS.md), so forwards are cut to this many tokens.
+MAX_FORWARD_TOKENS = 8192
+
+
+def check_version(version: str) -> None:
+    if version not in TESTED_VERSIONS:
+        raise RuntimeError(f"extract.backend sglang: sglang {version} is installed, this backend is tested with "
+                           f"{', '.join(TESTED_VERSIONS)} (extract/sglang.py keeps every version-specific call); "
+                           "use extract.backend hf or a tested sglang")
+
+
+def available() -> bool:
+    """Whether `extract.backend: auto` should pick this backend: a GPU and a tested sglang."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import sglang
+    except ImportError:
+        return False
+    return sglang.__version__ in TESTED_VERSIONS
+
+
+def scatter_to_padded(flat: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    """[sum(sizes), D] flat over requests (SGLang's layout) → [B, width, D] right-padded with zeros."""
+    out = flat.new_zeros(len(sizes), width, flat.shape[-1])
+    start = 0
+    for b, n in enumerate(sizes):
+        out[b, :n] = flat[start:start + n]
+        start += n
+    if start != flat.shape[0]:
+        raise RuntimeError(f"sglang returned {flat.shape[0]} token states for {start} input tokens")
+    return out
+
+
+class _NoPrefixCache(SimpleNamespace):
+    """What ScheduleBatch needs of a tree cache when nothing is cached (as in sglang.bench_one_batch)."""
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def is_chunk_cache(self) -> bool:
+        return False
+
+    def is_tree_cache(self) -> bool:
+        return True
+
+    def evict(self, params) -> None:
+        pass
+
+
+class SGLangBackend:
+    max_forward_tokens = MAX_FORWARD_TOKENS
+
+    def __init__(self, target_path: str, aux_layer_ids: list[int], gpu_id: int, trust_remote_code: bool = False,
+                 mem_fraction_static: float = 0.5):
+        import sglang
+        check_version(sglang.__version__)
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        args = ServerArgs(model_path=target_path, attention_backend="triton", sampling_backend="pytorch",
+                          grammar_backend="none", disable_cuda_graph=True, disable_radix_cache=True,
+                          mem_fraction_static=mem_fraction_static, dtype="bfloat16",
+                          chunked_prefill_size=MAX_FORWARD_TOKENS, trust_remote_code=trust_remote_code)
+        _set_envs_and_config(args)
+        initialize_moe_config(args)
+        initialize_fp8_gemm_config(args)
+        # tp 1: each process owns its runner and its own one-rank process group on a free port
+        self.runner = ModelRunner(model_config=ModelConfig.from_server_args(args),
+                                  mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=0, tp_size=1,
+                                  moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
+                                  nccl_port=PortArgs.init_new(args).nccl_port, server_args=args)
+        self.runner.alloc_memory_pool()
+        self.runner.init_attention_backends()
+        self.runner.init_cuda_graphs()  # with graphs disabled this sets up the eager runner forward() uses
+        self.args, self.device = args, torch.device("cuda", gpu_id)
+        self.runner.model.set_eagle3_layers_to_capture(list(aux_layer_ids))
+        self._final: list[torch.Tensor] = []
+        self.runner.model.model.norm.register_forward_hook(
+            lambda _m, _i, out: self._final.append(out[0] if isinstance(out, tuple) else out))
+
+    @torch.inference_mode()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] right-padded batch → aux [B, T, n_aux * H], final [B, T, H] on the GPU (the hf backend's API)."""
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        sizes = attention_mask.sum(-1).tolist()
+        if sum(sizes) > MAX_FORWARD_TOKENS:
+            raise ValueError(f"{sum(sizes)} tokens in one forward; the sglang backend takes {MAX_FORWARD_TOKENS}")
+        reqs = []
+        for b, n in enumerate(sizes):
+            req = Req(rid=str(b), origin_input_text="", origin_input_ids=array("q", input_ids[b, :n].tolist()),
+                      sampling_params=SamplingParams(temperature=0, max_new_tokens=1), return_hidden_states=True)
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.fill_len = n
+            req.logprob_start_len = -1
+            req.set_extend_input_len(req.fill_len - len(req.prefix_indices))
+            reqs.append(req)
+        runner = self.runner
+        batch = ScheduleBatch.init_new(
+            reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=_NoPrefixCache(page_size=self.args.page_size, device=runner.device,
+                                      token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator),
+            model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE)
+        batch.prepare_for_extend()
+        if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+        self._final.clear()
+        try:
+            aux = runner.forward(ForwardBatch.init_new(batch, runner)).logits_output.hidden_states
+        finally:  # nothing is decoded after the prefill: give the KV slots back for the next batch
+            runner.req_to_token_pool.clear()
+            runner.token_to_kv_pool_allocator.clear()
+        width = input_ids.shape[1]
+        return scatter_to_padded(aux, sizes, width), scatter_to_padded(self._final[-1], sizes, width)

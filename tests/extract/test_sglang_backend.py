@@ -1,0 +1,41 @@
+"""The sglang extraction backend's CPU-checkable parts; the backend itself runs in tests/gpu/."""
+import pytest
+import torch
+
+from data.config import load_config
+from extract.job import resolve_backend
+from extract.sglang import MAX_FORWARD_TOKENS, check_version, scatter_to_padded
+
+
+def config(**extract):
+    return load_config(None, ["--target.path=t", "--data.inputs=[c.jsonl]",
+                              *[f"--extract.{k}={v}" for k, v in extract.items()]])
+
+
+def test_untested_sglang_versions_are_refused_by_name():
+    check_version("0.5.14")
+    with pytest.raises(RuntimeError, match="sglang 0.5.23 is installed, this backend is tested with 0.5.14"):
+        check_version("0.5.23")
+
+
+def test_flat_states_land_in_their_rows_and_lengths_must_add_up():
+    flat = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)  # requests of 3 and 4 tokens, flat
+    padded = scatter_to_padded(flat, [3, 4], 5)
+    assert padded.shape == (2, 5, 2)
+    assert torch.equal(padded[0, :3], flat[:3]) and torch.equal(padded[1, :4], flat[3:])
+    assert padded[0, 3:].abs().sum() == 0 and padded[1, 4:].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="returned 7 token states for 6 input tokens"):
+        scatter_to_padded(flat, [3, 3], 5)
+
+
+def test_backend_resolution():
+    if not torch.cuda.is_available():  # auto: sglang only where a GPU and a tested sglang are present
+        assert resolve_backend(config()) == ("hf", "float32")
+    assert resolve_backend(config(backend="hf", dtype="bfloat16")) == ("hf", "bfloat16")
+    assert resolve_backend(config(backend="sglang")) == ("sglang", "bfloat16")
+    with pytest.raises(ValueError, match="no float32 RMSNorm"):
+        resolve_backend(config(backend="sglang", dtype="float32"))
+    long = load_config(None, ["--target.path=t", "--data.inputs=[c.jsonl]", "--extract.backend=sglang",
+                              f"--data.max_length={MAX_FORWARD_TOKENS + 1}"])
+    with pytest.raises(ValueError, match="above the 8192 tokens"):
+        resolve_backend(long)
