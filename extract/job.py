@@ -171,13 +171,18 @@ def wait_for_all_ranks(rank: int, world: int) -> None:
         time.sleep(1)
 
 
-def resolve_backend(cfg: EyrieConfig) -> tuple[str, str]:
+def resolve_device(cfg: EyrieConfig, local_rank: int) -> torch.device:
+    if cfg.extract.device == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.extract.device)
+
+
+def resolve_backend(cfg: EyrieConfig, device: torch.device) -> tuple[str, str]:
     """(backend, dtype) this run uses; `auto` is sglang where a GPU and a tested sglang are present."""
     ec = cfg.extract
     backend = ec.backend if ec.backend != "auto" else "sglang" if sglang_available() else "hf"
     if backend == "hf":
-        gpu = ec.device.startswith("cuda") or ec.device == "auto" and torch.cuda.is_available()
-        return backend, ec.dtype if ec.dtype != "auto" else "bfloat16" if gpu else "float32"
+        return backend, ec.dtype if ec.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     if ec.dtype == "float32":
         raise ValueError("extract.backend sglang runs bfloat16 (SGLang's kernels have no float32 RMSNorm); "
                          "set extract.dtype auto or bfloat16, or use extract.backend hf")
@@ -191,14 +196,11 @@ def run(cfg: EyrieConfig) -> dict | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     ec = cfg.extract
-    backend_name, dtype_name = resolve_backend(cfg)
+    device = resolve_device(cfg, local_rank)
+    backend_name, dtype_name = resolve_backend(cfg, device)
     samples = ShardDataset(samples_dir(cfg))
     info = load_target_info(cfg.target.path)
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
-    if ec.device == "auto":
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(ec.device)
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
                      final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
@@ -209,10 +211,14 @@ def run(cfg: EyrieConfig) -> dict | None:
 
     S = ec.samples_per_shard
     n_chunks = -(-len(samples) // S)
+    lengths = samples.lengths()
+
+    def tokens_of(chunks: list[int]) -> int:
+        return int(sum(lengths[c * S:(c + 1) * S].sum() for c in chunks))
+
     mine = [c for c in range(n_chunks) if c % world == rank]
     left = [c for c in range(n_chunks) if chunk_done(out, c, config_hash, verify=False) is None]
-    check_disk_budget(out, int(sum(samples.lengths()[c * S:(c + 1) * S].sum() for c in left)), bytes_per_token(meta),
-                      announce=rank == 0)
+    check_disk_budget(out, tokens_of(left), bytes_per_token(meta), announce=rank == 0)
     todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
     print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
           f"{backend_name} backend, device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)
@@ -224,9 +230,7 @@ def run(cfg: EyrieConfig) -> dict | None:
             backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
                                 cfg.target.trust_remote_code)
         max_tokens = min(ec.max_batch_tokens, getattr(backend, "max_forward_tokens", ec.max_batch_tokens))
-        lengths = samples.lengths()
-        total = int(sum(lengths[c * S:(c + 1) * S].sum() for c in todo))
-        bar = tqdm(total=total, desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
+        bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
         io = AsyncShardWriter()
         start = time.time()
         for c in todo:

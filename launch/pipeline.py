@@ -64,25 +64,29 @@ def files_signature(path: str) -> str:
     return json.dumps([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files] or [(path, "missing")])
 
 
-def fingerprint(cfg: EyrieConfig, stage: str) -> str:
-    h = hashlib.sha256(stage.encode())
-    dumped = cfg.model_dump(mode="json")
-    h.update(json.dumps({s: dumped[s] for s in SECTIONS[stage]}, sort_keys=True).encode())
-    for path in _external_inputs(cfg, stage):
-        h.update(files_signature(path).encode())
-    if stage in UPSTREAM:
-        h.update(fingerprint(cfg, UPSTREAM[stage]).encode())
-    return h.hexdigest()[:16]
+def fingerprints(cfg: EyrieConfig) -> dict[str, str]:
+    """Every stage's fingerprint, in stage order: each folds in its upstream's. The stages never write their
+    external inputs, so one computation serves a whole pipeline run (and each input is stat'ed once)."""
+    dumped, signatures, out = cfg.model_dump(mode="json"), {}, {}
+    for stage in STAGES:
+        h = hashlib.sha256(stage.encode())
+        h.update(json.dumps({s: dumped[s] for s in SECTIONS[stage]}, sort_keys=True).encode())
+        for path in _external_inputs(cfg, stage):
+            h.update(signatures.setdefault(path, files_signature(path)).encode())
+        if stage in UPSTREAM:
+            h.update(out[UPSTREAM[stage]].encode())
+        out[stage] = h.hexdigest()[:16]
+    return out
 
 
 def _record(cfg: EyrieConfig, stage: str) -> Path:
     return Path(cfg.run_dir) / "pipeline" / f"{stage}.json"
 
 
-def stage_done(cfg: EyrieConfig, stage: str) -> bool:
+def stage_done(cfg: EyrieConfig, stage: str, prints: dict[str, str]) -> bool:
     record = _record(cfg, stage)
     return outputs(cfg)[stage].exists() and record.exists() and \
-        json.loads(record.read_text()).get("fingerprint") == fingerprint(cfg, stage)
+        json.loads(record.read_text()).get("fingerprint") == prints[stage]
 
 
 def _move_aside(path: Path) -> Path:
@@ -109,7 +113,7 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                               "(HOST:PORT on the first node), and the extract stage run on every node")
         else:
             rendezvous = ["--nnodes", str(launch.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                          launch.rdzv_endpoint, "--rdzv-id", "eyrie-" + fingerprint(cfg, "extract")]
+                          launch.rdzv_endpoint, "--rdzv-id", "eyrie-" + fingerprints(cfg)["extract"]]
         return [[sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node",
                  str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]]
     if stage == "train":
@@ -141,21 +145,21 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
     return [[sys.executable, "-m", stage, "--config", config, *overrides]]
 
 
-def summarize(cfg: EyrieConfig, report: dict) -> dict:
+def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     """report.json: the acceptance numbers on top, then what each finished stage recorded."""
     run = Path(cfg.run_dir)
-    if stage_done(cfg, "data"):
+    if stage_done(cfg, "data", prints):
         manifest = read_manifest(samples_dir(cfg))
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
                    "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
-    if stage_done(cfg, "extract"):
+    if stage_done(cfg, "extract", prints):
         features = read_manifest(features_dir(cfg))
         report["features"] = {"dir": str(features_dir(cfg)), **features["totals"], "skipped": features["skipped"],
                               "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
-    if stage_done(cfg, "train"):
+    if stage_done(cfg, "train", prints):
         trained = json.loads(outputs(cfg)["train"].read_text())
         report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
-    if stage_done(cfg, "evaluate"):
+    if stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run / "drafter"), str(run / "drafter-untrained")
         decoded = ev["decode"]
@@ -172,7 +176,7 @@ def summarize(cfg: EyrieConfig, report: dict) -> dict:
             "offline_accept_length_by_steps": [round(x, 3) for x in ev["drafters"][trained]["accept_length_by_steps"]],
             "offline_alpha_by_position": [round(x, 3) for x in ev["drafters"][trained]["alpha_by_position"]],
             "speedup_wall_clock": {"value": decoded[trained]["speedup_wall_clock"], "device": decoded[trained]["device"]}}
-    if stage_done(cfg, "smoke"):
+    if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
         report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
                             "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
@@ -205,8 +209,9 @@ def main(argv: list[str] | None = None) -> dict:
     report_path = run_dir / "report.json"
     earlier = json.loads(report_path.read_text()) if report_path.exists() else {}
     report = {"stage_seconds": earlier.get("stage_seconds", {})}  # of the runs that made the current outputs
+    prints = fingerprints(cfg)
     for stage in stages:
-        if stage_done(cfg, stage):
+        if stage_done(cfg, stage, prints):
             print(f"[pipeline] {stage}: complete, inputs unchanged; skipped", flush=True)
             continue
         if stage == "train" and outputs(cfg)["train"].exists():  # finished for other inputs: keep it, start anew
@@ -217,10 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
             subprocess.run(cmd, check=True)
         report["stage_seconds"][stage] = round(time.time() - start, 2)
-        atomic_write_json(_record(cfg, stage), {"fingerprint": fingerprint(cfg, stage), "commands": commands[stage],
+        atomic_write_json(_record(cfg, stage), {"fingerprint": prints[stage], "commands": commands[stage],
                                                 "seconds": report["stage_seconds"][stage],
                                                 "config": cfg.model_dump(mode="json")})
-    report = summarize(cfg, report)
+    report = summarize(cfg, report, prints)
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}")
     if "accept_length" in report:

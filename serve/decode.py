@@ -148,6 +148,11 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
             "speedup_wall_clock": base_s / max(spec_s, 1e-9), "prompts": rows}
 
 
+def read_prompts(path: str | Path) -> list[list[dict]]:
+    """A JSONL of conversations ({'messages': [...]}), each cut to its first user turn."""
+    return [first_turn(json.loads(line)["messages"]) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def first_turn(messages: list[dict]) -> list[dict]:
     """The conversation up to and including its first user message (system prompt kept)."""
     out = []
@@ -169,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     prompts = [[{"role": "user", "content": "Count from 1 to 8."}]]
     if a.prompts:
-        convs = [json.loads(line) for line in Path(a.prompts).read_text().splitlines() if line.strip()]
-        prompts = [first_turn(c["messages"]) for c in convs][:a.limit]
+        prompts = read_prompts(a.prompts)[:a.limit]
     report = run(a.target, a.drafter, prompts, a.steps, a.max_new_tokens)
     print(json.dumps({k: v for k, v in report.items() if k != "prompts"}, indent=1))
     return report

@@ -163,15 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from .decode import first_turn
+    from .decode import read_prompts
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.target)
     if a.run:
         from .evaluate import held_out_prompts
+        reference_decoding(a.run, a.drafter, a.steps)  # fail now, not after minutes of server start-up
         convs = held_out_prompts(a.run, a.limit)
     elif a.prompts:
-        convs = [first_turn(json.loads(x)["messages"]) for x in Path(a.prompts).read_text().splitlines() if x.strip()]
+        convs = read_prompts(a.prompts)
     else:
         convs = [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
     # token ids, tokenized as the reference decoder does, so both see the very same prompt
@@ -218,11 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
-    """SGLang's accept length beside the reference decoder's and the offline evaluator's of the same run."""
+def reference_decoding(run: str, drafter: str, steps: int) -> dict:
+    """The run's serve.evaluate report, which must hold a reference-decoder run of this drafter and chain."""
     report = json.loads((Path(run) / "evaluate" / "evaluate.json").read_text())
     if report.get("decode", {}).get(drafter, {}).get("steps") != steps:
         raise SystemExit(f"{run}/evaluate/evaluate.json has no reference-decoder run of {drafter} with {steps} steps")
+    return report
+
+
+def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
+    """SGLang's accept length beside the reference decoder's and the offline evaluator's of the same run."""
+    report = reference_decoding(run, drafter, steps)
     decoded, offline = report["decode"][drafter], report["drafters"][drafter]
     sglang = spec["accept_length"]
     values = {"sglang": sglang, "reference_decoder": decoded["accept_length"],

@@ -4,6 +4,8 @@ import torch
 
 from data.config import load_config
 from extract.job import resolve_backend
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 from extract.sglang import MAX_FORWARD_TOKENS, check_version, scatter_to_padded
 
 
@@ -30,12 +32,13 @@ def test_flat_states_land_in_their_rows_and_lengths_must_add_up():
 
 def test_backend_resolution():
     if not torch.cuda.is_available():  # auto: sglang only where a GPU and a tested sglang are present
-        assert resolve_backend(config()) == ("hf", "float32")
-    assert resolve_backend(config(backend="hf", dtype="bfloat16")) == ("hf", "bfloat16")
-    assert resolve_backend(config(backend="sglang")) == ("sglang", "bfloat16")
+        assert resolve_backend(config(), CPU) == ("hf", "float32")
+    assert resolve_backend(config(backend="hf"), GPU) == ("hf", "bfloat16")  # auto dtype follows the device
+    assert resolve_backend(config(backend="hf", dtype="bfloat16"), CPU) == ("hf", "bfloat16")
+    assert resolve_backend(config(backend="sglang"), GPU) == ("sglang", "bfloat16")
     with pytest.raises(ValueError, match="no float32 RMSNorm"):
-        resolve_backend(config(backend="sglang", dtype="float32"))
+        resolve_backend(config(backend="sglang", dtype="float32"), GPU)
     long = load_config(None, ["--target.path=t", "--data.inputs=[c.jsonl]", "--extract.backend=sglang",
                               f"--data.max_length={MAX_FORWARD_TOKENS + 1}"])
     with pytest.raises(ValueError, match="above the 8192 tokens"):
-        resolve_backend(long)
+        resolve_backend(long, GPU)
