@@ -102,11 +102,10 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     _fsync_dir(path.parent)
 
 
-def _binary_array(chunks: list[bytes | memoryview]) -> pa.Array:
-    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
-    np.cumsum([len(c) for c in chunks], out=offsets[1:])
-    data = pa.py_buffer(b"".join(chunks))
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(chunks), [None, pa.py_buffer(offsets), data])
+def _binary_array(data: pa.Buffer, row_bytes: np.ndarray) -> pa.Array:
+    offsets = np.zeros(len(row_bytes) + 1, dtype=np.int64)
+    np.cumsum(row_bytes, out=offsets[1:])
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(row_bytes), [None, pa.py_buffer(offsets), data])
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, width: int, name: str, sample_id: str) -> memoryview:
@@ -164,9 +163,34 @@ class ShardWriter:
                   pa.array(list(cols[1]), pa.list_(pa.int32())),
                   pa.array(list(cols[2]), pa.list_(pa.uint8()))]
         if self.meta.kind == "features":
-            arrays += [_binary_array(list(cols[3])), _binary_array(list(cols[4]))]
+            arrays += [_binary_array(pa.py_buffer(b"".join(cols[c])), np.array([len(x) for x in cols[c]]))
+                       for c in (3, 4)]
         self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         self._rows, self._pending_bytes = [], 0
+
+    def write_packed(self, sample_ids: list[str], input_ids: list[np.ndarray], loss_masks: list[np.ndarray],
+                     aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
+        """Consecutive samples whose states lie packed `[sum of lengths, width]` in host memory, as extraction
+        produces them: written as one record batch straight from the tensors' memory (no per-row copies)."""
+        if self.meta.kind != "features":
+            raise ShardError(f"{self.path}: write_packed writes features shards, this one is {self.meta.kind}")
+        lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
+        what = f"samples {sample_ids[0]}..{sample_ids[-1]}"
+        aux = _tensor_bytes(aux_hidden, self._dtype, self._aux_width, "aux_hidden", what)
+        fin = _tensor_bytes(final_hidden, self._dtype, self.meta.hidden_size, "final_hidden", what)
+        if aux_hidden.shape[0] != lengths.sum() or final_hidden.shape[0] != lengths.sum():
+            raise ShardError(f"{what}: hidden states must have one row per token ({lengths.sum()})")
+        masks = [np.asarray(m, dtype=np.uint8) for m in loss_masks]
+        self._flush()  # rows written one by one before this keep their order
+        arrays = [pa.array(sample_ids, pa.string()),
+                  pa.array([np.asarray(x, dtype=np.int32) for x in input_ids], pa.list_(pa.int32())),
+                  pa.array(masks, pa.list_(pa.uint8())),
+                  _binary_array(pa.py_buffer(aux), lengths * self._aux_width * self._dtype.itemsize),
+                  _binary_array(pa.py_buffer(fin), lengths * self.meta.hidden_size * self._dtype.itemsize)]
+        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self.rows += len(sample_ids)
+        self.tokens += int(lengths.sum())
+        self.loss_tokens += int(sum(m.sum() for m in masks))
 
     def close(self) -> dict:
         """Finish the shard and move it into place; returns its manifest entry."""

@@ -46,7 +46,12 @@ class HFBackend:
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] right-padded batch → aux [B, T, n_aux * H], final [B, T, H] on the device."""
-        out = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                           use_cache=False)
-        return self.aux.take(), out.last_hidden_state
+        """[B, T] right-padded batch → aux [N, n_aux * H], final [N, H] on the device: each row's real tokens,
+        row after row (N = attention_mask.sum()), the packed layout SGLang returns and the shards store."""
+        mask = attention_mask.to(self.device)
+        out = self.decoder(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False)
+        aux, final = self.aux.take(), out.last_hidden_state
+        if bool(attention_mask.all()):  # no padding: packing is a view
+            return aux.flatten(0, 1), final.flatten(0, 1)
+        valid = mask.bool()
+        return aux[valid], final[valid]

@@ -16,7 +16,9 @@ import threading
 import time
 from collections import Counter
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -73,12 +75,11 @@ class AsyncShardWriter:
             try:
                 if item is None:
                     return
-                writer, rows, event = item
+                write, event = item
                 if event is not None:
                     event.synchronize()
                 if self.error is None:
-                    for row in rows:
-                        writer.write(*row)
+                    write()
             except BaseException as e:  # surfaced to the main thread by put()/flush()
                 self.error = e
             finally:
@@ -88,9 +89,10 @@ class AsyncShardWriter:
         if self.error is not None:
             raise self.error
 
-    def put(self, writer: ShardWriter, rows: list[tuple], event) -> None:
+    def put(self, write: Callable[[], None], event) -> None:
+        """Run `write` on the thread once `event` (the device→host copies it reads) has completed."""
         self._raise()
-        self.q.put((writer, rows, event))
+        self.q.put((write, event))
 
     def flush(self) -> None:
         """Wait until everything queued so far is written."""
@@ -111,6 +113,21 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def write_rows(writer: ShardWriter, rows: list, sizes: list[int], finite: list[bool], aux: torch.Tensor,
+               final: torch.Tensor) -> None:
+    """One batch's samples (states packed row after row) into the shard, leaving out the non-finite ones."""
+    if all(finite):
+        writer.write_packed([r.sample_id for r in rows], [r.input_ids.numpy() for r in rows],
+                            [r.loss_mask.numpy() for r in rows], aux, final)
+        return
+    start = 0
+    for r, n, ok in zip(rows, sizes, finite):
+        if ok:
+            writer.write(r.sample_id, r.input_ids.numpy(), r.loss_mask.numpy(), aux[start:start + n],
+                         final[start:start + n])
+        start += n
+
+
 def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
                   io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
     for batch in length_grouped_batches(lengths, np.asarray(indices), max_tokens, None):
@@ -121,22 +138,16 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
         for b, r in enumerate(rows):
             ids[b, :sizes[b]] = r.input_ids.long()
             mask[b, :sizes[b]] = 1
-        aux, final = backend.capture(ids, mask)
-        valid = mask.to(aux.device).bool()
-        finite = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1) | ~valid).all(-1).tolist()
+        aux, final = backend.capture(ids, mask)  # packed: [sum(sizes), ...]
+        finite_tokens = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1)).cpu().numpy()
+        finite = np.logical_and.reduceat(finite_tokens, np.cumsum([0, *sizes[:-1]])).tolist()
+        skipped["non_finite"] += finite.count(False)
         aux_h, final_h = _to_host(aux), _to_host(final)
         event = None
         if aux.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        out = []
-        for b, r in enumerate(rows):
-            if not finite[b]:
-                skipped["non_finite"] += 1
-                continue
-            n = sizes[b]
-            out.append((r.sample_id, r.input_ids.numpy(), r.loss_mask.numpy(), aux_h[b, :n], final_h[b, :n]))
-        io.put(writer, out, event)
+        io.put(partial(write_rows, writer, rows, sizes, finite, aux_h, final_h), event)  # binds this batch's values
         bar.update(sum(sizes))
 
 

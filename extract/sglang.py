@@ -43,16 +43,11 @@ def available() -> bool:
     return sglang.__version__ in TESTED_VERSIONS
 
 
-def scatter_to_padded(flat: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
-    """[sum(sizes), D] flat over requests (SGLang's layout) → [B, width, D] right-padded with zeros."""
-    out = flat.new_zeros(len(sizes), width, flat.shape[-1])
-    start = 0
-    for b, n in enumerate(sizes):
-        out[b, :n] = flat[start:start + n]
-        start += n
-    if start != flat.shape[0]:
-        raise RuntimeError(f"sglang returned {flat.shape[0]} token states for {start} input tokens")
-    return out
+def check_packed(states: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """SGLang's states are flat over the batch's requests, `[sum(sizes), D]`: the packed layout we store."""
+    if states.shape[0] != sum(sizes):
+        raise RuntimeError(f"sglang returned {states.shape[0]} token states for {sum(sizes)} input tokens")
+    return states
 
 
 class _NoPrefixCache(SimpleNamespace):
@@ -111,7 +106,8 @@ class SGLangBackend:
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] right-padded batch → aux [B, T, n_aux * H], final [B, T, H] on the GPU (the hf backend's API)."""
+        """[B, T] right-padded batch → aux [N, n_aux * H], final [N, H] on the GPU, each row's tokens packed
+        row after row (the hf backend's API)."""
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -145,5 +141,4 @@ class SGLangBackend:
         finally:  # nothing is decoded after the prefill: give the KV slots back for the next batch
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
-        width = input_ids.shape[1]
-        return scatter_to_padded(aux, sizes, width), scatter_to_padded(self._final[-1], sizes, width)
+        return check_packed(aux, sizes), check_packed(self._final[-1], sizes)

@@ -34,12 +34,14 @@ def main(target: str, layer_ids: list[int]) -> None:
     aux, final = backend.capture(ids, mask)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).cuda().eval()
     worst = {str(i): [1.0, 0.0] for i in [*layer_ids, "final"]}
-    H = final.shape[-1]
+    H, start = final.shape[-1], 0
     for b, n in enumerate(sizes):
         with torch.no_grad():
             hs = hf(ids[b:b + 1, :n].cuda(), output_hidden_states=True).hidden_states
-        pairs = [(str(i), aux[b, :n, j * H:(j + 1) * H], hs[i + 1][0]) for j, i in enumerate(layer_ids)]
-        for name, x, y in [*pairs, ("final", final[b, :n], hs[-1][0])]:
+        rows = slice(start, start + n)  # the states are packed, request after request
+        start += n
+        pairs = [(str(i), aux[rows, j * H:(j + 1) * H], hs[i + 1][0]) for j, i in enumerate(layer_ids)]
+        for name, x, y in [*pairs, ("final", final[rows], hs[-1][0])]:
             x, y = x.float(), y.float()
             worst[name][0] = min(worst[name][0], torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item())
             worst[name][1] = max(worst[name][1], (x - y).abs().max().item())

@@ -156,3 +156,30 @@ def test_bytes_per_token_for_a_4096_hidden_target(tmp_path):
     per_token = info["bytes"] / info["tokens"]
     # 3 aux layers + final state, bf16: 4 * 4096 * 2 = 32768 B, plus 4 B id + 1 B mask, plus framing.
     assert 32773 <= per_token < 32773 * 1.01
+
+
+def test_packed_rows_read_back_like_rows_written_one_by_one(tmp_path):
+    """Extraction writes a batch's states packed [sum T, D] straight from host memory; after single rows,
+    in order."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 1, 9]
+    ids = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
+    masks = [torch.randint(0, 2, (n,), generator=g) for n in lengths]
+    aux = torch.randn(sum(lengths), 3 * H, generator=g).to(torch.bfloat16)
+    fin = torch.randn(sum(lengths), H, generator=g).to(torch.bfloat16)
+    with ShardWriter(tmp_path / "shard-00000.arrow", meta()) as w:
+        w.write("single", [7, 8], [0, 1], aux[:2], fin[:2])
+        w.write_packed(["a", "b", "c"], [x.numpy() for x in ids], [m.numpy() for m in masks], aux, fin)
+        with pytest.raises(ShardError, match="one row per token"):
+            w.write_packed(["d"], [ids[0].numpy()], [masks[0].numpy()], aux, fin)
+        info = w.close()
+    assert info["rows"] == 4 and info["tokens"] == 2 + sum(lengths)
+    reader = ShardReader(tmp_path / "shard-00000.arrow")
+    assert [reader[i].sample_id for i in range(4)] == ["single", "a", "b", "c"]
+    start = 0
+    for r, n in enumerate(lengths):
+        got = reader[r + 1]
+        assert torch.equal(got.input_ids.long(), ids[r]) and torch.equal(got.loss_mask.long(), masks[r])
+        assert torch.equal(got.aux_hidden.view(torch.uint8), aux[start:start + n].view(torch.uint8))
+        assert torch.equal(got.final_hidden.view(torch.uint8), fin[start:start + n].view(torch.uint8))
+        start += n

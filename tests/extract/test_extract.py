@@ -197,3 +197,29 @@ def test_extraction_is_refused_when_the_disk_cannot_hold_the_features(tmp_path, 
     assert "disk budget: 1,000 tokens left x 57,349 bytes/token" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="refused: .* GB free, the features need"):
         check_disk_budget(tmp_path, 10 ** 12, bytes_per_token(meta), announce=False)
+
+
+def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_path):
+    """A target whose embedding of one token is NaN: every sample containing it is skipped and counted."""
+    from data.config import load_config
+    from extract.job import run
+    config, run_dir, target = prepared
+    samples = ShardDataset(run_dir / "data" / "samples")
+    counts = torch.zeros(100_000, dtype=torch.long)
+    for s in samples:
+        counts[s.input_ids.long().unique()] += 1
+    poisoned = int(((counts > 0) & (counts < len(samples) // 2)).nonzero()[0])  # in some samples, not most
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poisoned] = float("nan")
+    model.save_pretrained(str(tmp_path / "target"))
+    shutil.rmtree(run_dir / "features", ignore_errors=True)
+    manifest = run(load_config(config, ["--target.path", str(tmp_path / "target"), "--extract.max_batch_tokens",
+                                        "512"]))  # batches mix poisoned and clean samples
+    hit = {s.sample_id for s in samples if poisoned in s.input_ids.tolist()}
+    assert 0 < len(hit) < len(samples)
+    assert manifest["skipped"] == {"non_finite": len(hit)} and manifest["totals"]["rows"] == len(samples) - len(hit)
+    features = ShardDataset(run_dir / "features", verify=True)
+    assert {f.sample_id for f in features} == {s.sample_id for s in samples} - hit
+    assert all(torch.isfinite(f.aux_hidden).all() and torch.isfinite(f.final_hidden).all() for f in features)
+    shutil.rmtree(run_dir / "features")

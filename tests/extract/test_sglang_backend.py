@@ -6,7 +6,7 @@ from data.config import load_config
 from extract.job import resolve_backend
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
-from extract.sglang import MAX_FORWARD_TOKENS, check_version, scatter_to_padded
+from extract.sglang import MAX_FORWARD_TOKENS, check_version, check_packed
 
 
 def config(**extract):
@@ -20,14 +20,11 @@ def test_untested_sglang_versions_are_refused_by_name():
         check_version("0.5.23")
 
 
-def test_flat_states_land_in_their_rows_and_lengths_must_add_up():
+def test_packed_states_must_cover_every_input_token():
     flat = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)  # requests of 3 and 4 tokens, flat
-    padded = scatter_to_padded(flat, [3, 4], 5)
-    assert padded.shape == (2, 5, 2)
-    assert torch.equal(padded[0, :3], flat[:3]) and torch.equal(padded[1, :4], flat[3:])
-    assert padded[0, 3:].abs().sum() == 0 and padded[1, 4:].abs().sum() == 0
+    assert check_packed(flat, [3, 4]) is flat
     with pytest.raises(RuntimeError, match="returned 7 token states for 6 input tokens"):
-        scatter_to_padded(flat, [3, 3], 5)
+        check_packed(flat, [3, 3])
 
 
 def test_backend_resolution():
