@@ -8,6 +8,7 @@ depend on how many ranks produced it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -243,26 +244,33 @@ def run(cfg: EyrieConfig) -> dict | None:
         max_tokens = min(ec.max_batch_tokens, getattr(backend, "max_forward_tokens", ec.max_batch_tokens))
         bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
         io = AsyncShardWriter()
-        start = time.time()
-        for c in todo:
-            skipped: Counter = Counter()
-            writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
-            try:
-                extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer, io,
-                              max_tokens, skipped, bar)
-                io.flush()  # this shard's rows are all written before it is sealed
-                shard = writer.close()
-            except BaseException:
-                writer.abort()
-                io.close()
-                raise
+        unsealed: dict[int, ShardWriter] = {}
+
+        def seal(c: int, writer: ShardWriter, skipped: Counter) -> None:
+            """On the writer thread, after the shard's rows: fsync, checksum, rename, then the shard's record."""
+            shard = writer.close()
+            del unsealed[c]
             atomic_write_json(_record_path(out, c), {"shard": shard, "skipped": dict(skipped), "rank": rank,
                                                      "config_hash": config_hash})
-            stats["samples"] += shard["rows"]
-            stats["tokens"] += shard["tokens"]
-            stats["bytes"] += shard["bytes"]
+            for key in ("samples", "tokens", "bytes"):
+                stats[key] += shard["rows" if key == "samples" else key]
             stats["skipped"] += skipped
-        io.close()
+
+        start = time.time()
+        try:
+            for c in todo:
+                skipped: Counter = Counter()
+                unsealed[c] = writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
+                extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer,
+                              io, max_tokens, skipped, bar)
+                io.put(partial(seal, c, writer, skipped), None)  # the next forwards overlap its fsync and checksum
+            io.close()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                io.close()  # shards already complete are sealed; the writer thread is done after this
+            for writer in unsealed.values():
+                writer.abort()
+            raise
         bar.close()
         stats["seconds"] = round(time.time() - start, 2)
     stats["tokens_per_s"] = round(stats["tokens"] / stats["seconds"], 1) if stats["seconds"] else None

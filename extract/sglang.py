@@ -50,6 +50,17 @@ def check_packed(states: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return states
 
 
+def check_head_dim(target_path: str, trust_remote_code: bool) -> None:
+    """SGLang's triton attention fails to compile for head_dim < 16 (tl.dot needs K >= 16): say so up front."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 16:
+        raise ValueError(f"extract.backend sglang: {target_path} has head_dim {head_dim}; SGLang's triton attention "
+                         "kernels need at least 16 (tl.dot: K >= 16); use extract.backend hf")
+
+
 class _NoPrefixCache(SimpleNamespace):
     """What ScheduleBatch needs of a tree cache when nothing is cached (as in sglang.bench_one_batch)."""
 
@@ -83,6 +94,7 @@ class SGLangBackend:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import PortArgs, ServerArgs
 
+        check_head_dim(target_path, trust_remote_code)
         args = ServerArgs(model_path=target_path, attention_backend="triton", sampling_backend="pytorch",
                           grammar_backend="none", disable_cuda_graph=True, disable_radix_cache=True,
                           mem_fraction_static=mem_fraction_static, dtype="bfloat16",

@@ -105,8 +105,9 @@ def main() -> None:
 
 
 def job(cfg, result, flops_per_token, peak, run_dir) -> None:
-    run(cfg)  # warm-up pass (kernels, allocator, page cache)
-    shutil.rmtree(run_dir / "features")
+    if cfg.extract.backend == "hf":  # warm-up pass (kernels, allocator, page cache); SGLang: one runner per process
+        run(cfg)
+        shutil.rmtree(run_dir / "features")
     t = time.perf_counter()
     manifest = run(cfg)
     job_s = time.perf_counter() - t

@@ -39,3 +39,9 @@ def test_backend_resolution():
                               f"--data.max_length={MAX_FORWARD_TOKENS + 1}"])
     with pytest.raises(ValueError, match="above the 8192 tokens"):
         resolve_backend(long, GPU)
+
+
+def test_targets_too_narrow_for_sglangs_attention_kernels_are_refused_up_front(tiny_target):
+    from extract.sglang import check_head_dim
+    with pytest.raises(ValueError, match="has head_dim 8; SGLang's triton attention kernels need at least 16"):
+        check_head_dim(str(tiny_target), trust_remote_code=False)

@@ -19,11 +19,16 @@ def _sglang_ready() -> bool:
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sglang_ready(),
                     reason="not run: the sglang extraction backend needs a GPU and sglang 0.5.14 (SGLang's kernels); "
                            "run on the GPU machine with `source .sgl/sglang-env.sh`")
-def test_sglang_features_match_hf_features(tiny_target, tmp_path):
-    from launch.demo_target import make_conversations
+def test_sglang_features_match_hf_features(make_tokenizer, tmp_path):
+    from launch.demo_target import build_tiny_llama, make_conversations
+    tok = make_tokenizer("llama3")
+    target = tmp_path / "target"  # head_dim 16: SGLang's triton attention kernels need at least 16
+    tok.save_pretrained(str(target))
+    build_tiny_llama(target, vocab_size=len(tok), hidden=64, layers=4, heads=4, seed=0,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     convs = tmp_path / "c.jsonl"
     convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(24, seed=3)))
-    base = ["--target.path", str(tiny_target), "--target.aux_layer_ids", "[0, 1, 2]", "--data.inputs",
+    base = ["--target.path", str(target), "--target.aux_layer_ids", "[0, 1, 2]", "--data.inputs",
             f"[{convs}]", "--data.max_length", "256", "--data.draft_vocab_size", "64"]
     runs = {}
     for backend in ("hf", "sglang"):
