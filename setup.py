@@ -33,6 +33,6 @@ setup(
     extras_require={
         # 0.5.14 serves on the GPU machine (torch 2.11); 0.5.23 is the CPU loader check's version.
         "sglang": ["sglang>=0.5.14,<=0.5.23"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "psutil"],
     },
 )

@@ -17,6 +17,7 @@ complete; the manifest (also renamed into place) records rows, tokens, bytes and
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -43,6 +44,10 @@ warnings.filterwarnings("ignore", message=".*not writable.*")
 
 class ShardError(RuntimeError):
     pass
+
+
+class ShardWriteError(ShardError):
+    """The disk refused a write (full, quota, file-size limit); names the file. The shard is left unsealed."""
 
 
 @dataclass
@@ -83,6 +88,10 @@ def file_checksum(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def _reason(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno else str(e)  # Arrow's messages wrap the errno in prose
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -94,10 +103,14 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"writing {path} failed: {e.strerror}", str(path)) from e
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -165,8 +178,15 @@ class ShardWriter:
         if self.meta.kind == "features":
             arrays += [_binary_array(pa.py_buffer(b"".join(cols[c])), np.array([len(x) for x in cols[c]]))
                        for c in (3, 4)]
-        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self._write_batch(arrays)
         self._rows, self._pending_bytes = [], 0
+
+    def _write_batch(self, arrays: list[pa.Array]) -> None:
+        try:
+            self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        except OSError as e:
+            raise ShardWriteError(f"{self.tmp}: write failed ({_reason(e)}) after {self._sink.tell():,} "
+                                  f"bytes of this shard") from e
 
     def write_packed(self, sample_ids: list[str], input_ids: list[np.ndarray], loss_masks: list[np.ndarray],
                      aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
@@ -187,7 +207,7 @@ class ShardWriter:
                   pa.array(masks, pa.list_(pa.uint8())),
                   _binary_array(pa.py_buffer(aux), lengths * self._aux_width * self._dtype.itemsize),
                   _binary_array(pa.py_buffer(fin), lengths * self.meta.hidden_size * self._dtype.itemsize)]
-        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self._write_batch(arrays)
         self.rows += len(sample_ids)
         self.tokens += int(lengths.sum())
         self.loss_tokens += int(sum(m.sum() for m in masks))
@@ -195,10 +215,13 @@ class ShardWriter:
     def close(self) -> dict:
         """Finish the shard and move it into place; returns its manifest entry."""
         self._flush()
-        self._writer.close()
-        self._sink.close()
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        try:
+            self._writer.close()
+            self._sink.close()
+            with open(self.tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        except OSError as e:
+            raise ShardWriteError(f"{self.tmp}: finishing the shard failed ({_reason(e)})") from e
         info = {"file": self.path.name, "rows": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
                 "bytes": self.tmp.stat().st_size, "xxh3_128": file_checksum(self.tmp)}
         os.replace(self.tmp, self.path)
@@ -207,7 +230,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         try:
-            self._writer.close()
+            with contextlib.suppress(OSError, pa.ArrowException):  # the disk may be what failed
+                self._writer.close()
             self._sink.close()
         finally:
             self.tmp.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from data.config import EyrieConfig, write_scalars
 from data.batching import length_grouped_batches
 from data.prepare import samples_dir
-from data.shards import (ShardDataset, ShardMeta, ShardWriter, atomic_write_json, file_checksum,
+from data.shards import (ShardDataset, ShardMeta, ShardWriteError, ShardWriter, atomic_write_json, file_checksum,
                          write_manifest)
 from data.target import load_target_info
 
@@ -265,11 +265,17 @@ def run(cfg: EyrieConfig) -> dict | None:
                               io, max_tokens, skipped, bar)
                 io.put(partial(seal, c, writer, skipped), None)  # the next forwards overlap its fsync and checksum
             io.close()
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(BaseException):
                 io.close()  # shards already complete are sealed; the writer thread is done after this
             for writer in unsealed.values():
                 writer.abort()
+            if isinstance(e, (ShardWriteError, OSError)):
+                left = [c for c in todo if chunk_done(out, c, config_hash, verify=False) is None]
+                need = tokens_of(left) * bytes_per_token(meta)
+                raise SystemExit(f"[extract] rank {rank}: {e}. The {len(left)} shards left need {need:,} bytes "
+                                 f"({need / 1e9:.2f} GB), {shutil.disk_usage(out).free:,} bytes are free under {out}. "
+                                 "Completed shards are kept: free space and run the same command again.") from e
             raise
         bar.close()
         stats["seconds"] = round(time.time() - start, 2)

@@ -107,11 +107,23 @@ class Checkpoints:
             (self.dir / tag).mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.dir / tag / STATE_FILE, state)
         # DeepSpeed writes `latest` after its own files, so `latest` never names a half-written tag.
-        engine.save_checkpoint(str(self.dir), tag=tag, exclude_frozen_parameters=True)
+        try:
+            engine.save_checkpoint(str(self.dir), tag=tag, exclude_frozen_parameters=True)
+        except (OSError, RuntimeError) as e:  # torch.save reports a refused write as RuntimeError
+            raise RuntimeError(self._save_failed(tag, e)) from e
         dist.barrier()
         if dist.get_rank() == 0:
             self._prune()
         return tag
+
+    def _save_failed(self, tag: str, error: BaseException) -> str:
+        latest = self.dir / "latest"
+        previous = latest.read_text().strip() if latest.exists() else None
+        size = sum(f.stat().st_size for f in (self.dir / previous).rglob("*") if f.is_file()) if previous else 0
+        return (f"saving checkpoint {self.dir / tag} failed on rank {dist.get_rank()}: {error}. "
+                + (f"The last complete one, {previous}, took {size:,} bytes and stays `latest`; "
+                   if previous else "No complete checkpoint exists yet; ")
+                + f"{shutil.disk_usage(self.dir).free:,} bytes are free. Free space and run again to resume.")
 
     def mark_best(self, tag: str, metrics: dict) -> None:
         if dist.get_rank() == 0:
