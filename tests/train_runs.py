@@ -29,13 +29,13 @@ def with_run_dir(features_run, run_dir: Path, **train) -> Path:
     return path
 
 
-def launch(config: Path, *overrides: str) -> subprocess.Popen:
+def launch(config: Path, *overrides: str, preexec_fn=None) -> subprocess.Popen:
     """`deepspeed --num_gpus 2 train/main.py` (two gloo ranks on CPU), in a session of its own."""
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "train/main.py", "--config",
            str(config), *overrides]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
 
 
 def finish(proc: subprocess.Popen) -> str:
