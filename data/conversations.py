@@ -148,11 +148,16 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                 row_no += 1
                 yield f"{path}:row {row_no}", row
     elif path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, 1):
+        with open(path, "rb") as fh:  # decoded per line, so a bad byte names its line
+            for line_no, raw in enumerate(fh, 1):
+                where = f"{path}:{line_no}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield where, MalformedSample(where, f"not valid UTF-8 (byte {e.start})", "invalid_utf8")
+                    continue
                 if not line.strip():
                     continue
-                where = f"{path}:{line_no}"
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:

@@ -372,7 +372,11 @@ class ShardDataset:
         for directory, manifest in zip(directories, self.manifests):
             check_compatible(self.meta, manifest["meta"], f"{Path(directory) / MANIFEST}")
             for entry in manifest["shards"]:
-                path = Path(directory) / entry["file"]
+                name = str(entry.get("file", ""))
+                if Path(name).name != name or name in ("", ".", ".."):  # a shard is a file in its dataset dir
+                    raise ShardError(f"{Path(directory) / MANIFEST}: shard path {name!r} is not a file name inside "
+                                     "the dataset directory (refused)")
+                path = Path(directory) / name
                 if not path.exists():
                     raise ShardError(f"{path}: listed in the manifest but missing")
                 if path.stat().st_size != entry["bytes"]:

@@ -130,7 +130,7 @@ def write_rows(writer: ShardWriter, rows: list, sizes: list[int], finite: list[b
 
 
 def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
-                  io: AsyncShardWriter, max_tokens: int, skipped: Counter, bar: tqdm) -> None:
+                  io: AsyncShardWriter, max_tokens: int, vocab_size: int, skipped: Counter, bar: tqdm) -> None:
     for batch in length_grouped_batches(lengths, np.asarray(indices), max_tokens, None):
         rows = [samples[i] for i in batch]
         sizes = [int(lengths[i]) for i in batch]
@@ -139,6 +139,11 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
         for b, r in enumerate(rows):
             ids[b, :sizes[b]] = r.input_ids.long()
             mask[b, :sizes[b]] = 1
+        if int(ids.max()) >= vocab_size:
+            bad = next(r.sample_id for r in rows if int(r.input_ids.max()) >= vocab_size)
+            raise ValueError(f"sample {bad}: token id {int(ids.max())} >= the target's vocab size {vocab_size}: the "
+                             "samples were tokenized with another tokenizer than this target's (run the data stage "
+                             "again with the target's tokenizer)")
         aux, final = backend.capture(ids, mask)  # packed: [sum(sizes), ...]
         finite_tokens = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1)).cpu().numpy()
         finite = np.logical_and.reduceat(finite_tokens, np.cumsum([0, *sizes[:-1]])).tolist()
@@ -262,7 +267,7 @@ def run(cfg: EyrieConfig) -> dict | None:
                 skipped: Counter = Counter()
                 unsealed[c] = writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
                 extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer,
-                              io, max_tokens, skipped, bar)
+                              io, max_tokens, info.vocab_size, skipped, bar)
                 io.put(partial(seal, c, writer, skipped), None)  # the next forwards overlap its fsync and checksum
             io.close()
         except BaseException as e:

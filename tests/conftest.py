@@ -116,3 +116,26 @@ def demo_run(tmp_path_factory):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     return root / "run", path, out.stdout
+
+
+RELIABILITY: list[dict] = []
+
+
+@pytest.fixture
+def survival():
+    """record(case, tried, survived, lost): one row of the reliability table printed after the run (and written
+    as Markdown to $EYRIE_RELIABILITY_TABLE when set)."""
+    def record(case: str, tried: int, survived: int, lost: int | str = 0) -> None:
+        RELIABILITY.append({"case": case, "tried": tried, "survived": survived, "lost": lost})
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RELIABILITY:
+        return
+    lines = ["| case | tried | survived | data lost |", "|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['tried']} | {r['survived']} | {r['lost']} |" for r in RELIABILITY]
+    terminalreporter.write_sep("=", "reliability: faults tried and survived (tests/reliability)")
+    terminalreporter.write_line("\n".join(lines))
+    if os.environ.get("EYRIE_RELIABILITY_TABLE"):
+        Path(os.environ["EYRIE_RELIABILITY_TABLE"]).write_text("\n".join(lines) + "\n")

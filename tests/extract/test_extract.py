@@ -199,7 +199,7 @@ def test_extraction_is_refused_when_the_disk_cannot_hold_the_features(tmp_path, 
         check_disk_budget(tmp_path, 10 ** 12, bytes_per_token(meta), announce=False)
 
 
-def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_path):
+def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_path, survival):
     """A target whose embedding of one token is NaN: every sample containing it is skipped and counted."""
     from data.config import load_config
     from extract.job import run
@@ -223,3 +223,4 @@ def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_
     assert {f.sample_id for f in features} == {s.sample_id for s in samples} - hit
     assert all(torch.isfinite(f.aux_hidden).all() and torch.isfinite(f.final_hidden).all() for f in features)
     shutil.rmtree(run_dir / "features")
+    survival(f"bad input: NaN hidden states ({run_dir.parent.name} target; skipped and counted)", 1, 1)

@@ -11,7 +11,7 @@ import pytest
 from launch.demo_target import make_conversations
 from tests.extract.test_extract import ROOT, finish, kill_tree, snapshot, torchrun
 
-from .conftest import file_size_limit, kill_points
+from .faults import file_size_limit, kill_points
 
 LAYERS = [0, 1, 2]
 

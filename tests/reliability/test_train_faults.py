@@ -7,7 +7,7 @@ import time
 
 from tests.train_runs import finish, launch, losses, with_run_dir
 
-from .conftest import file_size_limit, kill_points
+from .faults import file_size_limit, kill_points
 
 STEPS = 12
 
