@@ -73,12 +73,18 @@ def _gpu_memory_used_mib() -> list[int]:
         return []
 
 
+def server_command(port: int, args: list[str]) -> list[str]:
+    """Bound to 127.0.0.1: the smoke test's servers are not reachable from other machines unless the user's
+    server args say otherwise."""
+    return [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+
+
 class Server:
     def __init__(self, args: list[str], port: int, log: Path, timeout: float):
         self.port, self.log, self.timeout = port, log, timeout
         if not _port_free(port):
             raise RuntimeError(f"port {port} is in use; pass --port")
-        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+        self.cmd = server_command(port, args)
         self.fh = open(log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.fh, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"

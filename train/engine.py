@@ -14,6 +14,10 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors.torch import load_file
 
 from data.config import ConfigError, TrainConfig
@@ -69,9 +73,21 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
     }
 
 
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint files read with `torch.load(weights_only=True)` (DeepSpeed's own engine unpickles
+    them unrestricted): tensors, containers and the DeepSpeed classes its optimizer state holds,
+    allow-listed by name; anything else is refused instead of run."""
+    SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(self.SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def init_engine(model: torch.nn.Module, ds_config: dict):
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
     return engine
 
 
