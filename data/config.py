@@ -72,12 +72,20 @@ class ExtractConfig(Section):
 
 class DrafterConfig(Section):
     """The drafter's shape; every unset field defaults from the target's config."""
+    arch: Literal["llama", "mla"] = Field("llama", description="llama: SGLang's LlamaForCausalLMEagle3; mla: "
+                                          "DeepSeek-style latent attention, SGLang's Eagle3DeepseekV2ForCausalLM "
+                                          "(smaller KV cache; MLA dims default from an MLA target)")
     hidden_size: int | None = Field(None, ge=8)
     num_attention_heads: int | None = Field(None, ge=1)
     num_key_value_heads: int | None = Field(None, ge=1)
     head_dim: int | None = Field(None, ge=2)
     intermediate_size: int | None = Field(None, ge=1)
     rms_norm_eps: float | None = Field(None, gt=0)
+    q_lora_rank: int | None = Field(None, ge=1, description="mla: query latent rank")
+    kv_lora_rank: int | None = Field(None, ge=1, description="mla: key/value latent rank (the cached width)")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key dims without RoPE")
+    qk_rope_head_dim: int | None = Field(None, ge=2, description="mla: per-head query/key dims with RoPE")
+    v_head_dim: int | None = Field(None, ge=1, description="mla: per-head value dims")
 
 
 class OptimConfig(Section):

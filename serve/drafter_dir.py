@@ -1,4 +1,6 @@
-"""SGLang's EAGLE-3 drafter directory: what `LlamaForCausalLMEagle3` loads, and its validation.
+"""SGLang's EAGLE-3 drafter directory: what `LlamaForCausalLMEagle3` (or, for `drafter.arch: mla`,
+`Eagle3DeepseekV2ForCausalLM`: MLA attention tensors `q_a_proj`, `q_a_layernorm`, `q_b_proj`,
+`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, the rest alike) loads, and its validation.
 
 A directory holds `config.json` (architectures `LlamaForCausalLMEagle3`, `num_hidden_layers: 1`, `vocab_size`
 = the target's, `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, RoPE in both the
@@ -17,6 +19,8 @@ from transformers import LlamaConfig
 
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
+from train.mla import ARCH as MLA_ARCH
+from train.mla import is_mla
 from train.teacher import load_target_tensors
 
 
@@ -24,16 +28,27 @@ class DrafterDirError(ValueError):
     pass
 
 
+def _attention_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    H, heads = config.hidden_size, config.num_attention_heads
+    if is_mla(config):
+        c = config
+        qk, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim
+        return {"q_a_proj": (c.q_lora_rank, 2 * H), "q_a_layernorm": (c.q_lora_rank,),
+                "q_b_proj": (heads * qk, c.q_lora_rank), "kv_a_proj_with_mqa": (c.kv_lora_rank + rope, 2 * H),
+                "kv_a_layernorm": (c.kv_lora_rank,), "kv_b_proj": (heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                                                  c.kv_lora_rank),
+                "o_proj": (H, heads * c.v_head_dim)}
+    q, kv = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"q_proj": (q, 2 * H), "k_proj": (kv, 2 * H), "v_proj": (kv, 2 * H), "o_proj": (H, q)}
+
+
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    H, hd = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    I = config.intermediate_size
+    H, I = config.hidden_size, config.intermediate_size
     shapes = {
         "fc.weight": (H, 3 * config.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
+        **{f"midlayer.self_attn.{k}.weight": v for k, v in _attention_shapes(config).items()},
         "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
         "midlayer.mlp.down_proj.weight": (H, I),
         "norm.weight": (H,), "lm_head.weight": (config.draft_vocab_size, H),
@@ -48,7 +63,9 @@ def sglang_config(config: LlamaConfig) -> dict:
     """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
     out = config.to_dict()
     rope = dict(out.get("rope_parameters") or {})
-    out |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+    out |= {"architectures": [MLA_ARCH if is_mla(config) else "LlamaForCausalLMEagle3"],
+            # transformers must parse it: deepseek_v3 knows the MLA dims, llama the rest
+            "model_type": "deepseek_v3" if is_mla(config) else "llama", "num_hidden_layers": 1,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "rope_theta": rope.get("rope_theta", 10000.0),
             "rope_scaling": None if rope.get("rope_type", "default") == "default" else
@@ -85,8 +102,10 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
-                # some publishers prefix the names with "model."; SGLang strips it the same way
+                # some publishers prefix the names with "model.", or name the layer "layers.0." (SGLang's MLA
+                # drafter loader reads both as midlayer.)
                 name = k[len("model."):] if k.startswith("model.") else k
+                name = "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
                 tensors[name] = fh.get_tensor(k)
     return tensors
 

@@ -78,6 +78,7 @@ def check(directory: str | Path) -> dict:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_loader import get_model
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.server_args import ServerArgs
 
@@ -98,26 +99,31 @@ def check(directory: str | Path) -> dict:
         with safe_open(str(f), "pt") as fh:
             file_names |= set(fh.keys())
     consumed: set[str] = set()
-    original = LlamaForCausalLMEagle3.load_weights
+    drafter_classes = (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM)
+    originals = {cls: cls.load_weights for cls in drafter_classes}
 
-    def load_weights(self, weights):
-        with torch.no_grad():
-            for p in self.parameters():
-                p.fill_(float("nan"))
+    def checked(original):
+        def load_weights(self, weights):
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.fill_(float("nan"))
 
-        def seen():
-            for name, tensor in weights:
-                consumed.add(name)
-                yield name, tensor
-        return original(self, seen())
+            def seen():
+                for name, tensor in weights:
+                    consumed.add(name)
+                    yield name, tensor
+            return original(self, seen())
+        return load_weights
 
-    LlamaForCausalLMEagle3.load_weights = load_weights
+    for cls, original in originals.items():
+        cls.load_weights = checked(original)
     try:
         model_config = ModelConfig.from_server_args(args, model_path=directory, is_draft_model=True)
         model = get_model(model_config=model_config, load_config=LoadConfig(load_format="auto"),
                           device_config=DeviceConfig(device="cpu"))
     finally:
-        LlamaForCausalLMEagle3.load_weights = original
+        for cls, original in originals.items():
+            cls.load_weights = original
 
     unwritten = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     # the embedding is the target's unless the drafter ships one; SGLang shares it at serve time

@@ -26,6 +26,9 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
+from .mla import FIELDS as MLA_FIELDS
+from .mla import ARCH as MLA_ARCH
+from .mla import Eagle3MLAttention, is_mla, mla_fields
 from .ttt import ttt_attention
 
 
@@ -44,9 +47,15 @@ def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: i
         raise ValueError(f"drafter: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     rope = {"rope_parameters": t["rope_parameters"]} if t.get("rope_parameters") else \
         {"rope_theta": t.get("rope_theta", 10000.0), "rope_scaling": t.get("rope_scaling")}
+    mla = {}
+    if shape.arch == "mla":
+        mla = mla_fields(t, shape, hidden, heads) | {"rope_interleave": True}
+        kv_heads, head_dim = heads, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    elif any(getattr(shape, k) for k in MLA_FIELDS):
+        raise ValueError(f"drafter: {', '.join(k for k in MLA_FIELDS if getattr(shape, k))} set, but arch is llama")
     return LlamaConfig(
-        architectures=["LlamaForCausalLMEagle3"], hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim,
+        architectures=[MLA_ARCH if mla else "LlamaForCausalLMEagle3"], hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, **mla,
         intermediate_size=shape.intermediate_size or int(t.get("intermediate_size") or 4 * hidden),
         rms_norm_eps=shape.rms_norm_eps or float(t.get("rms_norm_eps", 1e-6)), hidden_act="silu",
         num_hidden_layers=1, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
@@ -83,6 +92,19 @@ class StepOutput:
     value: torch.Tensor
 
 
+def attend(q, k, v, past: list[tuple[torch.Tensor, torch.Tensor]], cache: "KVCache | None", scale: float,
+           backend: str) -> torch.Tensor:
+    """q [B, Hq, T, D]; k/v this step's [B, Hkv, T, D(v)]. Training: the TTT rule over the unroll's steps;
+    decoding (`cache`): plain causal attention over the cache (drafts are cache entries too)."""
+    if cache is None:
+        return ttt_attention(q, [*(p[0] for p in past), k], [*(p[1] for p in past), v], scale, backend)
+    keys, values = cache.append(k, v)
+    L, T = keys.shape[2], q.shape[2]
+    mask = torch.arange(L, device=q.device)[None] <= torch.arange(L - T, L, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
 class Eagle3Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -93,24 +115,15 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
-        self.backend = "blockwise"
+        self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], cache: "KVCache | None" = None):
+    def qkv(self, x, cos, sin):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:  # decoding: plain causal attention over the cache (drafts are cache entries too)
-            keys, values = cache.append(k, v)
-            L = keys.shape[2]
-            mask = torch.arange(L, device=x.device)[None] <= torch.arange(L - T, L, device=x.device)[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
-                                                 enable_gqa=self.kv_heads != self.heads)
-        else:
-            out = ttt_attention(q, [*(p[0] for p in past), k], [*(p[1] for p in past), v], self.head_dim ** -0.5,
-                                self.backend)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+        return q, k, v
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -118,15 +131,17 @@ class Eagle3DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3MLAttention(config) if is_mla(config) else Eagle3Attention(config)
+        self.attention_backend = "blockwise"
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, embeds, hidden, cos, sin, *past_flat, cache: "KVCache | None" = None):
         past = list(zip(past_flat[0::2], past_flat[1::2]))
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attn, k, v = self.self_attn(x, cos, sin, past, cache)
-        h = hidden + attn
+        q, k, v = self.self_attn.qkv(x, cos, sin)
+        out = attend(q, k, v, past, cache, self.self_attn.scale, self.attention_backend)
+        h = hidden + self.self_attn.o_proj(out.transpose(1, 2).flatten(2))
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
 
@@ -143,7 +158,9 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # MLA rotates only its qk_rope_head_dim dims of each head
+        self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**(config.to_dict() | {"head_dim": config.qk_rope_head_dim}))
+                                               if is_mla(config) else config)
         # DeepSpeed's bf16 cast also casts float buffers; RoPE frequencies must stay fp32 (SGLang keeps them
         # so), else angles drift by radians at positions in the thousands. Kept here, out of the cast's reach.
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()
@@ -152,7 +169,7 @@ class Eagle3Drafter(nn.Module):
         self.activation_checkpointing = False
 
     def set_attention(self, backend: str) -> None:
-        self.midlayer.self_attn.backend = backend
+        self.midlayer.attention_backend = backend
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 past: list[tuple[torch.Tensor, torch.Tensor]] = (), cache: "KVCache | None" = None) -> StepOutput:

@@ -1,0 +1,95 @@
+"""The MLA drafter (`drafter.arch: mla`): its attention against transformers' DeepSeek-V3 attention, its
+export against SGLang's `Eagle3DeepseekV2ForCausalLM` loader."""
+import pytest
+import torch
+
+from data.config import DrafterConfig
+from data.target import load_target_info
+from tests.extract.test_extract import build_deepseek
+from train.drafter import Eagle3Drafter, attend, drafter_config
+from train.mla import is_mla
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}  # Kimi-K2.5's kind
+
+
+@pytest.fixture(scope="module", params=["default", "yarn"])
+def deepseek_target(request, make_tokenizer, tmp_path_factory):
+    """The tiny DeepseekV3 target, with plain RoPE and with DeepSeek's YaRN."""
+    import json
+    out = tmp_path_factory.mktemp(f"deepseek-{request.param}")
+    build_deepseek(out, make_tokenizer("llama3"))
+    if request.param == "yarn":
+        config = json.loads((out / "config.json").read_text())
+        config["rope_parameters"] = YARN
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def mla_drafter(target, **shape) -> Eagle3Drafter:
+    info = load_target_info(target)
+    config = drafter_config(info, DrafterConfig(arch="mla", **shape), 16, [0, 1, 2])
+    vocab = info.vocab_size
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:16] = True
+    torch.manual_seed(0)
+    return Eagle3Drafter(config, torch.zeros(16, dtype=torch.int64), t2d)
+
+
+def test_mla_dims_come_from_an_mla_target_and_the_config_wins(deepseek_target):
+    config = mla_drafter(deepseek_target).config
+    assert is_mla(config) and config.architectures == ["Eagle3DeepseekV2ForCausalLM"]
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (16, 16, 8, 8, 8)  # the tiny DeepseekV3 target's
+    assert mla_drafter(deepseek_target, kv_lora_rank=32).config.kv_lora_rank == 32
+
+
+def test_mla_attention_matches_transformers_deepseek_v3(deepseek_target):
+    """Our MLA over the 2H input equals transformers' DeepseekV3Attention built for a 2H-wide model (same
+    weights; its o_proj's first H rows are ours), causal, interleaved RoPE, at arbitrary positions."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    drafter = mla_drafter(deepseek_target)
+    ours, c = drafter.midlayer.self_attn, drafter.config
+    H = c.hidden_size
+    ref_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=c.num_attention_heads,
+                               num_key_value_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
+                               kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                               qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rope_interleave=True,
+                               rms_norm_eps=c.rms_norm_eps, attention_bias=False, max_position_embeddings=512,
+                               rope_parameters=c.rope_parameters)
+    ref_cfg._attn_implementation = "eager"
+    ref = DeepseekV3Attention(ref_cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+            getattr(ref, name).weight.copy_(getattr(ours, name).weight)
+        ref.o_proj.weight.zero_()
+        ref.o_proj.weight[:H] = ours.o_proj.weight
+    B, T = 2, 9
+    x = torch.randn(B, T, 2 * H)
+    positions = torch.arange(5, 5 + T)[None].expand(B, T)
+    cos, sin = drafter.rotary_emb(x, positions)
+    ref_cos, ref_sin = DeepseekV3RotaryEmbedding(ref_cfg)(x, positions)
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+    with torch.no_grad():
+        q, k, v = ours.qkv(x, cos, sin)
+        got = ours.o_proj(attend(q, k, v, [], None, ours.scale, "blockwise").transpose(1, 2).flatten(2))
+        want = ref(x, position_embeddings=(ref_cos, ref_sin), attention_mask=causal)[0][..., :H]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("sglang"),
+                    reason="not run: SGLang's loader check needs sglang (sh serve/install_sglang_cpu.sh)")
+def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target, tmp_path):
+    if "yarn" not in deepseek_target.name:
+        pytest.skip("not run: SGLang builds MLA RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); the YaRN case runs")
+    from serve.drafter_dir import read_config, read_tensors, validate
+    from serve.export import write_drafter_dir
+    from serve.sglang_check import check_in_subprocess
+    drafter = mla_drafter(deepseek_target)
+    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    write_drafter_dir(tmp_path / "mla", drafter.config, tensors, "test")
+    validate(read_config(tmp_path / "mla"), read_tensors(tmp_path / "mla"), "mla")  # the import path reads it back
+    report = check_in_subprocess(tmp_path / "mla")
+    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
