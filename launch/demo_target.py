@@ -1,9 +1,10 @@
-"""The embedded demo's target: a generated chat corpus, a BPE tokenizer trained on it, a tiny Llama.
+"""The embedded demo's target: a generated chat corpus, a BPE tokenizer trained on it, a tiny Llama (or a
+tiny DeepseekV3 with `--arch deepseek_v3`, for the MLA drafter: launch/configs/demo-deepseek.yaml).
 
 No model hub is reachable, so the demo builds everything itself. The corpus has structure a drafter can
 learn (templated tasks with deterministic answers), so a target trained on it produces predictable text.
 
-    python -m launch.demo_target --out runs/demo/assets [--conversations 400]
+    python -m launch.demo_target --out runs/demo/assets [--conversations 400] [--arch deepseek_v3]
 """
 from __future__ import annotations
 
@@ -99,6 +100,28 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, lay
     return model
 
 
+def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
+                        seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, rope_parameters: dict | None = None):
+    """A randomly initialised DeepseekV3 (MLA attention, a dense first layer, then MoE layers): the Kimi-K2.5 /
+    DeepSeek-V3 architecture at toy size."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    head = hidden // heads
+    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
+                              moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=1,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                              num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden // 2,
+                              kv_lora_rank=hidden // 4, qk_nope_head_dim=head, qk_rope_head_dim=head,
+                              v_head_dim=head, max_position_embeddings=1024, bos_token_id=bos_token_id,
+                              eos_token_id=eos_token_id, tie_word_embeddings=False,
+                              **({"rope_parameters": rope_parameters} if rope_parameters else {}))
+    model = DeepseekV3ForCausalLM(config)
+    model.save_pretrained(str(out_dir))
+    return model
+
+
 def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_len: int = 256, batch: int = 16,
                  lr: float = 3e-3, seed: int = 0) -> list[float]:
     """Next-token training on the chat-rendered corpus, so the target's greedy text follows the tasks' patterns
@@ -131,8 +154,10 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
     return losses
 
 
-def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, train_steps: int = 500) -> dict:
-    """Corpus, tokenizer and a tiny Llama trained on other conversations of the same tasks."""
+def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, train_steps: int = 500,
+                      arch: str = "llama") -> dict:
+    """Corpus, tokenizer and a tiny target (Llama, or DeepseekV3: MLA + MoE) trained on other conversations of
+    the same tasks."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     convs = make_conversations(conversations, seed)
@@ -140,8 +165,9 @@ def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, 
         fh.writelines(json.dumps(c) + "\n" for c in convs)
     corpus = make_conversations(4000, seed + 1)
     tok = build_tokenizer([m["content"] for c in corpus for m in c["messages"]], out / "target")
-    model = build_tiny_llama(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id)
+    build = build_tiny_deepseek if arch == "deepseek_v3" else build_tiny_llama
+    model = build(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id)
     losses = train_target(model, tok, corpus, train_steps, seed=seed)
     model.save_pretrained(str(out / "target"))
     info = {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target"),
@@ -155,5 +181,6 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--conversations", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=["llama", "deepseek_v3"], default="llama")
     a = p.parse_args()
-    print(build_demo_assets(a.out, a.conversations, a.seed))
+    print(build_demo_assets(a.out, a.conversations, a.seed, arch=a.arch))
