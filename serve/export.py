@@ -25,6 +25,8 @@ from transformers import LlamaConfig
 
 from data.shards import atomic_write_json, read_manifest
 
+from train.mla import is_mla
+
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
 
 
@@ -139,6 +141,11 @@ def maybe_check_with_sglang(directory: Path) -> dict | str:
         import sglang  # noqa: F401
     except ImportError:
         return "not run: sglang is not installed (pip install -e '.[sglang]')"
+    config = read_config(directory)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if is_mla(config) and rope.get("rope_type", "default") == "default" and not torch.cuda.is_available():
+        return ("not run: SGLang builds an MLA drafter's RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); "
+                "this drafter has plain RoPE, so its loader check needs a GPU machine")
     from .sglang_check import check_in_subprocess
     return check_in_subprocess(directory)
 
