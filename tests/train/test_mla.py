@@ -122,3 +122,41 @@ def test_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(tmp_path):
     assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and drafter["kv_lora_rank"] == 16
     assert report["lossless"] is True
     assert report["accept_length"] > report["accept_length_untrained"] + 0.8, report
+
+
+KIMI_TEXT = {  # Kimi-K2.5's language model (DeepseekV3 architecture), as its config.json's text_config names it
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "first_k_dense_replace": 1, "n_routed_experts": 384,
+    "num_experts_per_tok": 8, "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def test_real_size_kimi_k25_config_gives_the_published_mla_drafter_shape(tmp_path):
+    """No weights: the wrapper config (text_config) alone decides layers, default aux ids and the MLA dims."""
+    import json
+
+    from serve.drafter_dir import expected_shapes, sglang_config
+    from train.mla import softmax_scale
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                      "model_type": "kimi_k25", "text_config": KIMI_TEXT}))
+    info = load_target_info(tmp_path)
+    assert (info.num_layers, info.hidden_size, info.vocab_size) == (61, 7168, 163840)
+    assert info.aux_layer_ids() == [1, 29, 57]
+    config = drafter_config(info, DrafterConfig(arch="mla"), 32000, info.aux_layer_ids())
+    assert (config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
+            config.qk_rope_head_dim, config.v_head_dim) == (64, 1536, 512, 128, 64, 128)
+    shapes = expected_shapes(config)
+    assert shapes["fc.weight"] == (7168, 3 * 7168) and shapes["lm_head.weight"] == (32000, 7168)
+    assert shapes["midlayer.self_attn.q_a_proj.weight"] == (1536, 2 * 7168)
+    assert shapes["midlayer.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 2 * 7168)
+    assert shapes["midlayer.self_attn.kv_b_proj.weight"] == (64 * (128 + 128), 512)
+    assert shapes["midlayer.self_attn.o_proj.weight"] == (7168, 64 * 128)
+    out = sglang_config(config)
+    assert out["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and out["model_type"] == "deepseek_v3"
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+    assert out["rope_scaling"]["factor"] == 64.0  # SGLang turns any scaling into deepseek_yarn for MLA
+    mscale = 0.1 * 1.0 * torch.log(torch.tensor(64.0)).item() + 1.0
+    assert softmax_scale(config) == pytest.approx(192 ** -0.5 * mscale ** 2)
