@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from data.shards import atomic_write_json, read_manifest
-
 from train.mla import is_mla
 
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate

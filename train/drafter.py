@@ -10,6 +10,9 @@ One step at positions p: h = fc(aux) on the first step (the target's aux states)
 output; x = [input_layernorm(embed(tokens)), hidden_norm(h)] (2H) → attention (RoPE at p) → + h →
 post_attention_layernorm → SwiGLU MLP → + residual = the step's output hidden (pre-norm; SGLang feeds this
 to the next draft step) → norm → lm_head over the draft vocabulary.
+
+With `drafter.arch: mla` the attention is DeepSeek-style latent attention (train/mla.py) and the export is
+SGLang's `Eagle3DeepseekV2ForCausalLM`; everything else is the same layer.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
-from .mla import FIELDS as MLA_FIELDS
 from .mla import ARCH as MLA_ARCH
+from .mla import FIELDS as MLA_FIELDS
 from .mla import Eagle3MLAttention, is_mla, mla_fields
 from .ttt import ttt_attention
 
