@@ -27,22 +27,6 @@ def samples_dir(cfg: EyrieConfig) -> Path:
     return data_dir(cfg) / "samples"
 
 
-def _regenerate(cfg: EyrieConfig, out: Path) -> dict:
-    """Regenerate into out/regenerated.jsonl; returns the report (source rows and regeneration outcomes)."""
-    from .regenerate import LocalGenerator, OpenAIChatGenerator, regenerate
-    source = SkipReport()
-    convs = list(load_conversations(cfg.data.inputs, source, cfg.data.skip_malformed))
-    rc = cfg.data.regenerate
-    generate = OpenAIChatGenerator(rc) if rc.backend == "openai" else \
-        LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code)
-    result = regenerate(convs, generate, out / "regenerated.jsonl", rc,
-                        concurrency=1 if rc.backend == "local" else None)
-    print(f"regenerate: source {source.summary()}")
-    print(f"regenerate: {result['succeeded']} succeeded ({result['resumed']} resumed), {result['errors']} errors, "
-          f"{result['skipped']} skipped of {result['input']}; {result['truncated_replies']} replies hit max_new_tokens")
-    return {"source": source.to_json(), **result}
-
-
 def prepare(cfg: EyrieConfig) -> dict:
     from transformers import AutoTokenizer
 
@@ -54,8 +38,12 @@ def prepare(cfg: EyrieConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
     chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow)
 
-    regenerated = _regenerate(cfg, out) if cfg.data.regenerate.enabled else None
-    inputs = [str(out / "regenerated.jsonl")] if regenerated else cfg.data.inputs
+    regenerated = None
+    if cfg.data.regenerate.enabled:  # resumes: after the regenerate stage there is nothing left to do
+        from .regenerate import regenerated_path
+        from .regenerate import run as regenerate
+        regenerated = regenerate(cfg)
+    inputs = [str(regenerated_path(cfg))] if regenerated else cfg.data.inputs
     report = SkipReport()
     counter = TokenCounter(info.vocab_size)
     meta = ShardMeta(kind="tokens", target_id=cfg.target.path, target_config_hash=info.config_hash)

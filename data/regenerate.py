@@ -3,6 +3,9 @@
 Two ways to run the target: an OpenAI-compatible endpoint (what `sglang.launch_server` exposes), with
 concurrency and retries, or transformers `generate` in this process. The output is a conversation JSONL
 in input order; a re-run resumes from it. The report's succeeded + errors + skipped equals the input count.
+
+    python -m data.regenerate --config run.yaml      (the pipeline's regenerate stage; `python -m data` runs
+                                                      it too when it has not run)
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from typing import Callable, Protocol
 import requests
 from tqdm import tqdm
 
-from .config import RegenerateConfig
-from .conversations import Conversation
+from .config import EyrieConfig, RegenerateConfig
+from .conversations import Conversation, SkipReport, load_conversations
 from .shards import atomic_write_json
 
 REGENERATABLE_ROLES = {"system", "user", "assistant"}
@@ -74,17 +77,24 @@ class LocalGenerator:
     """transformers `generate` on the target, greedy unless a temperature is set; one request at a time."""
 
     def __init__(self, model_path: str, cfg: RegenerateConfig, trust_remote_code: bool = False):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.torch, self.cfg = torch, cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                          trust_remote_code=trust_remote_code)
-        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        self.model_path, self.cfg, self.trust_remote_code = model_path, cfg, trust_remote_code
+        self.model = None  # loaded on the first request: a resumed run with nothing left loads nothing
         self.lock = threading.Lock()
 
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+                                                          trust_remote_code=self.trust_remote_code)
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
     def __call__(self, messages: list[dict]) -> Reply:
+        with self.lock:
+            if self.model is None:
+                self._load()
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                  return_dict=True)["input_ids"].to(self.model.device)
         sampling = {"do_sample": True, "temperature": self.cfg.temperature} if self.cfg.temperature > 0 else \
@@ -173,3 +183,32 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
     assert report["succeeded"] + report["errors"] + report["skipped"] == report["input"]
     atomic_write_json(out_path.with_name(out_path.name + ".report.json"), report)
     return report
+
+
+def regenerated_path(cfg: EyrieConfig) -> Path:
+    return Path(cfg.run_dir) / "data" / "regenerated.jsonl"
+
+
+def run(cfg: EyrieConfig) -> dict:
+    """The regenerate stage: the target answers every prompt again → RUN_DIR/data/regenerated.jsonl (resumable;
+    with nothing left to do it loads no model). The data stage tokenizes that file instead of data.inputs."""
+    source = SkipReport()
+    convs = list(load_conversations(cfg.data.inputs, source, cfg.data.skip_malformed))
+    rc = cfg.data.regenerate
+    generate = OpenAIChatGenerator(rc) if rc.backend == "openai" else \
+        LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code)
+    out = regenerated_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = regenerate(convs, generate, out, rc, concurrency=1 if rc.backend == "local" else None)
+    print(f"regenerate: source {source.summary()}")
+    print(f"regenerate: {result['succeeded']} succeeded ({result['resumed']} resumed), {result['errors']} errors, "
+          f"{result['skipped']} skipped of {result['input']}; {result['truncated_replies']} replies hit max_new_tokens")
+    return {"source": source.to_json(), **result}
+
+
+if __name__ == "__main__":
+    from .config import cli_config
+    cfg, _ = cli_config("Eyrie regenerate stage: the target answers the conversations' prompts again.")
+    if not cfg.data.regenerate.enabled:
+        raise SystemExit("data.regenerate.enabled is false: nothing to regenerate")
+    run(cfg)

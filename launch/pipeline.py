@@ -5,7 +5,8 @@ output exists and its fingerprint is unchanged: a hash of the config sections it
 inputs (conversation files and the target's files, by path, size and modification time, as make does) and of
 the upstream stage's fingerprint, so a change re-runs exactly the stages downstream of it.
 
-Stages: data (tokenize, draft vocab, optional self-distillation), extract (torchrun), train (deepspeed),
+Stages: regenerate (self-distillation: the target answers the prompts again, when data.regenerate.enabled),
+data (tokenize, loss masks, draft vocab), extract (torchrun), train (deepspeed),
 export (RUN_DIR/drafter from the best checkpoint, and RUN_DIR/drafter-untrained: the same shape untrained, the
 baseline), evaluate (offline acceptance and the reference speculative decoder on held-out prompts, both
 drafters), and, when asked for (`--stages ...,smoke`, GPU machines), smoke: SGLang serving the drafter
@@ -37,19 +38,22 @@ DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, 
 def outputs(cfg: EyrieConfig) -> dict[str, Path]:
     """The file whose presence says a stage finished."""
     run = Path(cfg.run_dir)
-    return {"data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
+    return {"regenerate": Path(cfg.run_dir) / "data" / "regenerated.jsonl.report.json",
+            "data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
             "train": run / "train" / "summary.json", "export": run / "drafter-untrained" / "config.json",
             "evaluate": run / "evaluate" / "evaluate.json", "smoke": run / "smoke" / "report.json"}
 
 
-STAGES = ("data", "extract", "train", "export", "evaluate", "smoke")
+STAGES = ("regenerate", "data", "extract", "train", "export", "evaluate", "smoke")
 DEFAULT_STAGES = STAGES[:-1]  # smoke needs a GPU machine with SGLang: run it by name
-UPSTREAM = {"extract": "data", "train": "extract", "export": "train", "evaluate": "export", "smoke": "evaluate"}
-SECTIONS = {"data": ("target", "data"), "extract": ("target", "data", "extract"),
+UPSTREAM = {"data": "regenerate", "extract": "data", "train": "extract", "export": "train", "evaluate": "export", "smoke": "evaluate"}
+SECTIONS = {"regenerate": ("target", "data"), "data": ("target", "data"), "extract": ("target", "data", "extract"),
             "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (), "smoke": ("serve",)}
 
 
 def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:
+    if stage == "regenerate":
+        return [*cfg.data.inputs, cfg.target.path]
     if stage == "data":
         return [*cfg.data.inputs, cfg.target.path, cfg.target.tokenizer_path]
     if stage in ("extract", "train"):  # the target's weights (features; the teacher's LM head)
@@ -142,6 +146,9 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                  "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", str(DECODE_STEPS),
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
                  *[f"--server-arg={a}" for a in sv.server_args]]]
+    if stage == "regenerate":
+        return [[sys.executable, "-m", "data.regenerate", "--config", config, *overrides]] \
+            if cfg.data.regenerate.enabled else []
     return [[sys.executable, "-m", stage, "--config", config, *overrides]]
 
 
@@ -211,6 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"stage_seconds": earlier.get("stage_seconds", {})}  # of the runs that made the current outputs
     prints = fingerprints(cfg)
     for stage in stages:
+        if not commands[stage]:
+            print(f"[pipeline] {stage}: not enabled (data.regenerate.enabled is false); nothing to run", flush=True)
+            continue
         if stage_done(cfg, stage, prints):
             print(f"[pipeline] {stage}: complete, inputs unchanged; skipped", flush=True)
             continue

@@ -131,3 +131,12 @@ def test_smoke_stage_command_serves_the_run_drafter_with_the_decoders_chain():
     assert flag["--drafter"] == "runs/x/drafter" and flag["--run"] == "runs/x" and flag["--tp"] == "8"
     assert flag["--steps"] == str(DECODE_STEPS) and flag["--concurrency"] == "1,64"
     assert smoke[-1] == "--server-arg=--attention-backend=triton"
+
+
+def test_regenerate_is_its_own_stage_when_enabled():
+    from launch.pipeline import DEFAULT_STAGES, UPSTREAM, stage_commands
+    assert DEFAULT_STAGES[:2] == ("regenerate", "data") and UPSTREAM["data"] == "regenerate"
+    on = config_with(data={"inputs": ["c.jsonl"], "regenerate": {"enabled": True, "backend": "local"}})
+    assert stage_commands(on, "regenerate", "run.yaml", ["--seed", "1"]) == [
+        [sys.executable, "-m", "data.regenerate", "--config", "run.yaml", "--seed", "1"]]
+    assert stage_commands(config_with(), "regenerate", "run.yaml", []) == []  # disabled: nothing to run

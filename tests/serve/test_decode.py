@@ -15,7 +15,7 @@ def test_demo_report_has_the_measured_acceptance(demo_run):
     assert (run / "drafter" / "config.json").exists() and "[pipeline] evaluate:" in out
     assert f"[pipeline] accept length {report['accept_length']:.2f}" in out
     assert report["lossless"] is True and report["drafter_dir"] == str(run / "drafter")
-    assert set(report["stage_seconds"]) == {"data", "extract", "train", "export", "evaluate"}
+    assert set(report["stage_seconds"]) == {"regenerate", "data", "extract", "train", "export", "evaluate"}
     # one TensorBoard dir for the run, every stage with numbers in it
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     events = EventMultiplexer().AddRunsFromDirectory(str(run / "tensorboard"))
