@@ -62,6 +62,8 @@ class ExtractConfig(Section):
         "auto", description="sglang: SGLang's model code in-process (GPU, the numerics that serve); hf: transformers "
                             "(CPU or GPU); auto: sglang where a GPU and a tested sglang are present, else hf")
     nproc_per_node: int = Field(1, ge=1, description="torchrun ranks the pipeline launches (one per GPU)")
+    tp_size: int = Field(1, ge=1, description="sglang backend: GPUs (ranks) per target copy, tensor-parallel; "
+                                              "ranks are grouped by node, a group extracts as one")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="target compute and storage dtype; auto = bfloat16 on GPU, float32 on CPU")
     device: str = Field("auto", description="auto = cuda:LOCAL_RANK when a GPU is present, else cpu")

@@ -129,8 +129,11 @@ def write_rows(writer: ShardWriter, rows: list, sizes: list[int], finite: list[b
         start += n
 
 
-def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int], writer: ShardWriter,
-                  io: AsyncShardWriter, max_tokens: int, vocab_size: int, skipped: Counter, bar: tqdm) -> None:
+def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int],
+                  writer: ShardWriter | None, io: AsyncShardWriter, max_tokens: int, vocab_size: int, skipped: Counter,
+                  bar: tqdm) -> None:
+    """Forward the chunk's samples in length-grouped batches and queue their rows for `writer` (None: a
+    tensor-parallel follower, which runs the forwards with its group and writes nothing)."""
     for batch in length_grouped_batches(lengths, np.asarray(indices), max_tokens, None):
         rows = [samples[i] for i in batch]
         sizes = [int(lengths[i]) for i in batch]
@@ -145,6 +148,9 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
                              "samples were tokenized with another tokenizer than this target's (run the data stage "
                              "again with the target's tokenizer)")
         aux, final = backend.capture(ids, mask)  # packed: [sum(sizes), ...]
+        bar.update(sum(sizes))
+        if writer is None:
+            continue
         finite_tokens = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1)).cpu().numpy()
         finite = np.logical_and.reduceat(finite_tokens, np.cumsum([0, *sizes[:-1]])).tolist()
         skipped["non_finite"] += finite.count(False)
@@ -154,7 +160,6 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
             event = torch.cuda.Event()
             event.record()
         io.put(partial(write_rows, writer, rows, sizes, finite, aux_h, final_h), event)  # binds this batch's values
-        bar.update(sum(sizes))
 
 
 def bytes_per_token(meta: ShardMeta) -> int:
@@ -188,6 +193,15 @@ def wait_for_all_ranks(rank: int, world: int) -> None:
         time.sleep(1)
 
 
+def tp_layout(rank: int, world: int, local_world: int, tp: int) -> tuple[int, int, int]:
+    """(data-parallel group, number of groups, rank within the group) for groups of `tp` consecutive ranks.
+    A group is one copy of the target: its ranks run every forward together; its rank 0 writes the shards."""
+    if world % tp or local_world % tp:
+        raise ValueError(f"extract.tp_size {tp} must divide the ranks per node ({local_world}) and in all ({world}): "
+                         "a tensor-parallel group lives on one node")
+    return rank // tp, world // tp, rank % tp
+
+
 def resolve_device(cfg: EyrieConfig, local_rank: int) -> torch.device:
     if cfg.extract.device == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -199,6 +213,9 @@ def resolve_backend(cfg: EyrieConfig, device: torch.device) -> tuple[str, str]:
     ec = cfg.extract
     backend = ec.backend if ec.backend != "auto" else "sglang" if sglang_available() else "hf"
     if backend == "hf":
+        if ec.tp_size > 1:
+            raise ValueError("extract.tp_size > 1 is for the sglang backend; the hf backend runs one target copy per "
+                             "rank (data parallel)")
         return backend, ec.dtype if ec.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     if ec.dtype == "float32":
         raise ValueError("extract.backend sglang runs bfloat16 (SGLang's kernels have no float32 RMSNorm); "
@@ -233,21 +250,28 @@ def run(cfg: EyrieConfig) -> dict | None:
     def tokens_of(chunks: list[int]) -> int:
         return int(sum(lengths[c * S:(c + 1) * S].sum() for c in chunks))
 
-    mine = [c for c in range(n_chunks) if c % world == rank]
+    tp = ec.tp_size if backend_name == "sglang" else 1
+    group, groups, tp_rank = tp_layout(rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), tp)
+    writes = tp_rank == 0  # one rank of each tensor-parallel group writes its shards
+    mine = [c for c in range(n_chunks) if c % groups == group]
     left = [c for c in range(n_chunks) if chunk_done(out, c, config_hash, verify=False) is None]
     check_disk_budget(out, tokens_of(left), bytes_per_token(meta), announce=rank == 0)
     todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
     print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
-          f"{backend_name} backend, device {device}, {dtype_name}, aux layers {layer_ids}", flush=True)
+          f"{backend_name} backend, device {device}, {dtype_name}, aux layers {layer_ids}"
+          + (f", tensor-parallel rank {tp_rank}/{tp} of group {group}" if tp > 1 else ""), flush=True)
     stats = {"rank": rank, "samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "skipped": Counter()}
     if todo:
-        if backend_name == "sglang":
-            backend = SGLangBackend(cfg.target.path, layer_ids, device.index or 0, cfg.target.trust_remote_code)
+        if backend_name == "sglang":  # a group's ranks meet on a port of its own next to torchrun's
+            port = int(os.environ.get("MASTER_PORT", 29500)) + 1 + group if tp > 1 else None
+            backend = SGLangBackend(cfg.target.path, layer_ids, device.index or 0, cfg.target.trust_remote_code,
+                                    tp_rank=tp_rank, tp_size=tp, nccl_port=port)
         else:
             backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
                                 cfg.target.trust_remote_code)
         max_tokens = min(ec.max_batch_tokens, getattr(backend, "max_forward_tokens", ec.max_batch_tokens))
-        bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=rank)
+        bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=group,
+                   disable=not writes)
         io = AsyncShardWriter()
         unsealed: dict[int, ShardWriter] = {}
 
@@ -265,16 +289,18 @@ def run(cfg: EyrieConfig) -> dict | None:
         try:
             for c in todo:
                 skipped: Counter = Counter()
-                unsealed[c] = writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta)
+                writer = unsealed[c] = ShardWriter(out / f"shard-{c:05d}.arrow", meta) if writes else None
                 extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer,
                               io, max_tokens, info.vocab_size, skipped, bar)
-                io.put(partial(seal, c, writer, skipped), None)  # the next forwards overlap its fsync and checksum
+                if writes:  # the next forwards overlap its fsync and checksum
+                    io.put(partial(seal, c, writer, skipped), None)
             io.close()
         except BaseException as e:
             with contextlib.suppress(BaseException):
                 io.close()  # shards already complete are sealed; the writer thread is done after this
             for writer in unsealed.values():
-                writer.abort()
+                if writer is not None:
+                    writer.abort()
             if isinstance(e, (ShardWriteError, OSError)):
                 left = [c for c in todo if chunk_done(out, c, config_hash, verify=False) is None]
                 need = tokens_of(left) * bytes_per_token(meta)
@@ -291,10 +317,10 @@ def run(cfg: EyrieConfig) -> dict | None:
     wait_for_all_ranks(rank, world)
     if rank != 0:
         return None
-    return _merge(cfg, out, meta, n_chunks, world, config_hash)
+    return _merge(cfg, out, meta, n_chunks, range(0, world, tp), config_hash)
 
 
-def _merge(cfg: EyrieConfig, out: Path, meta: ShardMeta, n_chunks: int, world: int, config_hash: str) -> dict:
+def _merge(cfg: EyrieConfig, out: Path, meta: ShardMeta, n_chunks: int, writing_ranks: range, config_hash: str) -> dict:
     records = []
     for c in range(n_chunks):
         record = chunk_done(out, c, config_hash, verify=False)
@@ -304,7 +330,7 @@ def _merge(cfg: EyrieConfig, out: Path, meta: ShardMeta, n_chunks: int, world: i
     skipped: Counter = Counter()
     for r in records:
         skipped.update(r["skipped"])
-    ranks = [json.loads((out / f".rank-{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((out / f".rank-{r}.json").read_text()) for r in writing_ranks]
     manifest = write_manifest(out, meta, [r["shard"] for r in records], skipped=dict(skipped), ranks=ranks,
                               config=cfg.model_dump(mode="json"), config_hash=config_hash)
     t = manifest["totals"]

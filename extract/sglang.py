@@ -10,7 +10,9 @@ read with a forward hook on the model's final norm. The states stay GPU tensors;
 patched. Every version-specific call is in this module; versions not listed in TESTED_VERSIONS are refused.
 
 Measured on the H200 (tests/benchmarks/RESULTS.md): parity with the hf backend min cosine 0.99997 (aux),
-0.99996 (final), bf16; a Llama-3-8B-shaped forward at 75% MFU (transformers: 64.5%). One tensor-parallel rank per process (tp 1); tensor parallelism is not supported yet.
+0.99996 (final), bf16; a Llama-3-8B-shaped forward at 75% MFU (transformers: 64.5%). With `extract.tp_size`
+> 1 a group of ranks on one node holds one tensor-parallel copy of the target (not yet run on a multi-GPU
+machine: none was lent).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class SGLangBackend:
     max_forward_tokens = MAX_FORWARD_TOKENS
 
     def __init__(self, target_path: str, aux_layer_ids: list[int], gpu_id: int, trust_remote_code: bool = False,
-                 mem_fraction_static: float = 0.5):
+                 mem_fraction_static: float = 0.5, tp_rank: int = 0, tp_size: int = 1, nccl_port: int | None = None):
         import sglang
         check_version(sglang.__version__)
         from sglang.srt.configs.model_config import ModelConfig
@@ -98,15 +100,17 @@ class SGLangBackend:
         args = ServerArgs(model_path=target_path, attention_backend="triton", sampling_backend="pytorch",
                           grammar_backend="none", disable_cuda_graph=True, disable_radix_cache=True,
                           mem_fraction_static=mem_fraction_static, dtype="bfloat16",
-                          chunked_prefill_size=MAX_FORWARD_TOKENS, trust_remote_code=trust_remote_code)
+                          chunked_prefill_size=MAX_FORWARD_TOKENS, trust_remote_code=trust_remote_code,
+                          tp_size=tp_size)
         _set_envs_and_config(args)
         initialize_moe_config(args)
         initialize_fp8_gemm_config(args)
-        # tp 1: each process owns its runner and its own one-rank process group on a free port
+        # one runner per process; a tensor-parallel group's ranks meet on the port they were given (tp 1: its own
+        # one-rank group on a free port). Every rank gets the full aux and final states (SGLang all-reduces them).
         self.runner = ModelRunner(model_config=ModelConfig.from_server_args(args),
-                                  mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=0, tp_size=1,
-                                  moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
-                                  nccl_port=PortArgs.init_new(args).nccl_port, server_args=args)
+                                  mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=tp_rank,
+                                  tp_size=tp_size, moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
+                                  nccl_port=nccl_port or PortArgs.init_new(args).nccl_port, server_args=args)
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()  # with graphs disabled this sets up the eager runner forward() uses

@@ -45,3 +45,15 @@ def test_targets_too_narrow_for_sglangs_attention_kernels_are_refused_up_front(t
     from extract.sglang import check_head_dim
     with pytest.raises(ValueError, match="has head_dim 8; SGLang's triton attention kernels need at least 16"):
         check_head_dim(str(tiny_target), trust_remote_code=False)
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks_on_one_node():
+    from extract.job import tp_layout
+    # 2 nodes x 8 GPUs, TP 8 (Kimi-K2.5): one target copy per node, rank 0 of each writes
+    assert [tp_layout(r, 16, 8, 8) for r in (0, 7, 8, 15)] == [(0, 2, 0), (0, 2, 7), (1, 2, 0), (1, 2, 7)]
+    assert [tp_layout(r, 8, 8, 2)[0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # 4 copies of TP 2
+    assert tp_layout(3, 4, 4, 1) == (3, 4, 0)  # TP 1: every rank is its own group
+    with pytest.raises(ValueError, match="must divide the ranks per node"):
+        tp_layout(0, 12, 6, 4)
+    with pytest.raises(ValueError, match="tp_size > 1 is for the sglang backend"):
+        resolve_backend(config(backend="hf", tp_size=2), GPU)
