@@ -234,6 +234,11 @@ def run(cfg: EyrieConfig) -> dict | None:
     backend_name, dtype_name = resolve_backend(cfg, device)
     samples = ShardDataset(samples_dir(cfg))
     info = load_target_info(cfg.target.path)
+    prepared_for = samples.meta.get("target_config_hash")
+    if prepared_for and prepared_for != info.config_hash:  # tokenized with another target's tokenizer, probably
+        raise ValueError(f"{samples_dir(cfg)}: the samples were prepared for target {samples.meta.get('target_id')} "
+                         f"(config hash {prepared_for}), not {cfg.target.path} ({info.config_hash}): run the data "
+                         "stage again with this target")
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,

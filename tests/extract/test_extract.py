@@ -213,6 +213,7 @@ def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_
     with torch.no_grad():
         model.get_input_embeddings().weight[poisoned] = float("nan")
     model.save_pretrained(str(tmp_path / "target"))
+    shutil.copy(target / "config.json", tmp_path / "target" / "config.json")  # the same target config, other weights
     shutil.rmtree(run_dir / "features", ignore_errors=True)
     manifest = run(load_config(config, ["--target.path", str(tmp_path / "target"), "--extract.max_batch_tokens",
                                         "512"]))  # batches mix poisoned and clean samples

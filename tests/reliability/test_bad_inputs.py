@@ -146,9 +146,11 @@ def test_bad_inputs_are_clear_errors_naming_the_place(case, tmp_path, tiny_targe
     survival(f"bad input: {case}", 1, 1)
 
 
-def test_samples_of_another_tokenizer_are_refused_by_extraction(tiny_target, tmp_path, survival):
+@pytest.mark.parametrize("case", ["token ids beyond the vocab", "another target's config"])
+def test_samples_of_another_tokenizer_are_refused_by_extraction(case, tiny_target, tmp_path, survival):
     from extract.job import run
-    meta = ShardMeta(kind="tokens", target_id="other")
+    meta = ShardMeta(kind="tokens", target_id="other",
+                     target_config_hash="0123456789abcdef" if case == "another target's config" else "")
     samples = tmp_path / "run" / "data" / "samples"
     samples.mkdir(parents=True)
     with ShardWriter(samples / "shard-00000.arrow", meta) as w:
@@ -158,7 +160,9 @@ def test_samples_of_another_tokenizer_are_refused_by_extraction(tiny_target, tmp
     write_manifest(samples, meta, [info])
     cfg = load_config(None, [f"--run_dir={tmp_path / 'run'}", f"--target.path={tiny_target}", "--data.inputs=[x]",
                              "--target.aux_layer_ids=[0,1,2]"])
-    with pytest.raises(ValueError, match="sample s1: token id 5000 >= the target's vocab size .* another tokenizer"):
+    words = "sample s1: token id 5000 >= the target's vocab size .* another tokenizer" \
+        if case == "token ids beyond the vocab" else "samples were prepared for target other .*run the data stage again"
+    with pytest.raises(ValueError, match=words):
         run(cfg)
     assert not list((tmp_path / "run" / "features").glob("*.arrow"))
-    survival("bad input: samples tokenized for another target", 1, 1)
+    survival(f"bad input: samples tokenized for another target ({case})", 1, 1)
