@@ -95,23 +95,31 @@ def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target,
     assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
 
 
-def test_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(tmp_path):
-    """Tiny DeepseekV3 target trained on the demo corpus → data → extract (2 ranks) → train (ZeRO-2, 2 ranks,
-    MLA drafter) → export → reference decoder: lossless, and well above the same drafter untrained."""
+@pytest.fixture(scope="module")
+def deepseek_demo_assets(tmp_path_factory):
+    """A tiny DeepseekV3 target trained on the demo corpus, and conversations of the same tasks."""
+    from launch.demo_target import build_demo_assets
+    out = tmp_path_factory.mktemp("deepseek-demo")
+    build_demo_assets(out, conversations=200, train_steps=300, arch="deepseek_v3")
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_both_drafters_end_to_end_on_a_trained_tiny_deepseek_target(arch, deepseek_demo_assets, tmp_path):
+    """DeepseekV3 target → regenerate → data → extract (2 ranks) → train (ZeRO-2, 2 ranks, either drafter) →
+    export → reference decoder: lossless, and well above the same drafter untrained."""
     import json
     import subprocess
     import sys
 
     import yaml
 
-    from launch.demo_target import build_demo_assets
     from tests.conftest import ROOT
-    build_demo_assets(tmp_path / "assets", conversations=200, train_steps=300, arch="deepseek_v3")
     config = yaml.safe_load((ROOT / "launch" / "configs" / "demo-deepseek.yaml").read_text())
     config["run_dir"] = str(tmp_path / "run")
-    config["target"]["path"] = str(tmp_path / "assets" / "target")
-    config["data"]["inputs"] = [str(tmp_path / "assets" / "conversations.jsonl")]
-    config["train"] |= {"eval_fraction": 0.1, "drafter": {"arch": "mla"}}
+    config["target"]["path"] = str(deepseek_demo_assets / "target")
+    config["data"]["inputs"] = [str(deepseek_demo_assets / "conversations.jsonl")]
+    config["train"] |= {"eval_fraction": 0.1, "drafter": {"arch": arch}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path)], cwd=ROOT,
@@ -119,7 +127,7 @@ def test_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(tmp_path):
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     drafter = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
-    assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and drafter["kv_lora_rank"] == 16
+    assert drafter["architectures"] == [{"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[arch]]
     assert report["lossless"] is True
     assert report["accept_length"] > report["accept_length_untrained"] + 0.8, report
 
