@@ -181,12 +181,18 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
     tmp.replace(out_path)
     partial.unlink(missing_ok=True)
     assert report["succeeded"] + report["errors"] + report["skipped"] == report["input"]
-    atomic_write_json(out_path.with_name(out_path.name + ".report.json"), report)
+    atomic_write_json(report_path(out_path), report)
     return report
 
 
+def report_path(out_path: str | Path) -> Path:
+    """The report written beside a finished regeneration (the stage's completion marker)."""
+    return Path(out_path).with_name(Path(out_path).name + ".report.json")
+
+
 def regenerated_path(cfg: EyrieConfig) -> Path:
-    return Path(cfg.run_dir) / "data" / "regenerated.jsonl"
+    from .prepare import data_dir
+    return data_dir(cfg) / "regenerated.jsonl"
 
 
 def run(cfg: EyrieConfig) -> dict:

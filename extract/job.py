@@ -286,26 +286,28 @@ def run(cfg: EyrieConfig) -> dict | None:
             del unsealed[c]
             atomic_write_json(_record_path(out, c), {"shard": shard, "skipped": dict(skipped), "rank": rank,
                                                      "config_hash": config_hash})
-            for key in ("samples", "tokens", "bytes"):
-                stats[key] += shard["rows" if key == "samples" else key]
+            stats["samples"] += shard["rows"]
+            stats["tokens"] += shard["tokens"]
+            stats["bytes"] += shard["bytes"]
             stats["skipped"] += skipped
 
         start = time.time()
         try:
             for c in todo:
                 skipped: Counter = Counter()
-                writer = unsealed[c] = ShardWriter(out / f"shard-{c:05d}.arrow", meta) if writes else None
+                writer = ShardWriter(out / f"shard-{c:05d}.arrow", meta) if writes else None
+                if writer is not None:
+                    unsealed[c] = writer
                 extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer,
                               io, max_tokens, info.vocab_size, skipped, bar)
-                if writes:  # the next forwards overlap its fsync and checksum
+                if writer is not None:  # the next forwards overlap its fsync and checksum
                     io.put(partial(seal, c, writer, skipped), None)
             io.close()
         except BaseException as e:
             with contextlib.suppress(BaseException):
                 io.close()  # shards already complete are sealed; the writer thread is done after this
             for writer in unsealed.values():
-                if writer is not None:
-                    writer.abort()
+                writer.abort()
             if isinstance(e, (ShardWriteError, OSError)):
                 left = [c for c in todo if chunk_done(out, c, config_hash, verify=False) is None]
                 need = tokens_of(left) * bytes_per_token(meta)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from data.config import ConfigError, EyrieConfig, load_config
 from data.prepare import samples_dir
+from data.regenerate import regenerated_path, report_path
 from data.shards import MANIFEST, atomic_write_json, read_manifest
 from extract.job import features_dir
 
@@ -38,17 +39,17 @@ DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, 
 def outputs(cfg: EyrieConfig) -> dict[str, Path]:
     """The file whose presence says a stage finished."""
     run = Path(cfg.run_dir)
-    return {"regenerate": Path(cfg.run_dir) / "data" / "regenerated.jsonl.report.json",
-            "data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
+    return {"regenerate": report_path(regenerated_path(cfg)), "data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
             "train": run / "train" / "summary.json", "export": run / "drafter-untrained" / "config.json",
             "evaluate": run / "evaluate" / "evaluate.json", "smoke": run / "smoke" / "report.json"}
 
 
 STAGES = ("regenerate", "data", "extract", "train", "export", "evaluate", "smoke")
 DEFAULT_STAGES = STAGES[:-1]  # smoke needs a GPU machine with SGLang: run it by name
-UPSTREAM = {"data": "regenerate", "extract": "data", "train": "extract", "export": "train", "evaluate": "export", "smoke": "evaluate"}
+UPSTREAM = dict(zip(STAGES[1:], STAGES[:-1]))  # each stage reads what the one before it wrote
 SECTIONS = {"regenerate": ("target", "data"), "data": ("target", "data"), "extract": ("target", "data", "extract"),
-            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (), "smoke": ("serve",)}
+            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (),
+            "smoke": ("serve",)}
 
 
 def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:

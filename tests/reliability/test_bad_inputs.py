@@ -10,6 +10,7 @@ from data.chat import ChatTokenizer
 from data.config import ConfigError, load_config
 from data.conversations import Conversation, MalformedSample, SkipReport, load_conversations
 from data.shards import ShardDataset, ShardError, ShardMeta, ShardWriter, write_manifest
+from tests.data.test_shards import make_dataset
 
 GOOD = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 ROWS = {  # bad line 2 of a JSONL file: (raw bytes, skip reason, what the error says)
@@ -36,16 +37,8 @@ def test_bad_conversation_rows_name_file_and_line_or_are_counted(case, tmp_path,
     survival(f"bad input: {case}", 1, 1)
 
 
-def shard_dir(directory, seed: int = 0, **meta_kw):
-    meta = ShardMeta(**({"kind": "features", "target_id": "t", "target_config_hash": "h", "aux_layer_ids": [0, 1, 2],
-                         "hidden_size": 4, "dtype": "float32", "final_hidden": "post_norm"} | meta_kw))
-    directory.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    with ShardWriter(directory / "shard-00000.arrow", meta) as w:
-        for i in range(3):
-            w.write(str(i), [1, 2, 3], [0, 1, 1], torch.randn(3, 12, generator=g), torch.randn(3, 4, generator=g))
-        info = w.close()
-    write_manifest(directory, meta, [info])
+def shard_dir(directory, **meta_kw):
+    make_dataset(directory, **meta_kw)
     return directory
 
 
@@ -112,7 +105,7 @@ CASES = {  # name: (what raises, the error it raises, the words that name the pl
     "shards of another target": (lambda f: ShardDataset(shard_dir(f["tmp"] / "a"), shard_dir(
         f["tmp"] / "b", target_config_hash="other")), ShardError, "b/manifest.json: target_config_hash"),
     "shards of another layer set": (lambda f: ShardDataset(shard_dir(f["tmp"] / "a"), shard_dir(
-        f["tmp"] / "b", aux_layer_ids=[1, 2, 3])), ShardError, "b/manifest.json: aux_layer_ids"),
+        f["tmp"] / "b", aux_layer_ids=[2, 4, 6])), ShardError, "b/manifest.json: aux_layer_ids"),
     "manifest naming a path outside the dataset": (lambda f: _outside_path(f["tmp"]), ShardError,
                                                    "shard path '../../etc/passwd' is not a file name inside"),
     "unknown config key": (lambda f: load_config(None, ["--train.nope=1"]), ConfigError, "train.nope"),
