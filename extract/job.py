@@ -193,6 +193,14 @@ def wait_for_all_ranks(rank: int, world: int) -> None:
         time.sleep(1)
 
 
+def remove_stale_temporaries(out: Path, names: set[str]) -> None:
+    """What a killed run left half-written for these outputs (`.NAME.tmp-PID`, from the writer's temporary name
+    or atomic_write_json). Each output has one writer, this rank, so any such file is a dead process's."""
+    for tmp in out.glob(".*.tmp-*"):
+        if tmp.name[1:].rsplit(".tmp-", 1)[0] in names:
+            tmp.unlink(missing_ok=True)
+
+
 def tp_layout(rank: int, world: int, local_world: int, tp: int) -> tuple[int, int, int]:
     """(data-parallel group, number of groups, rank within the group) for groups of `tp` consecutive ranks.
     A group is one copy of the target: its ranks run every forward together; its rank 0 writes the shards."""
@@ -262,6 +270,11 @@ def run(cfg: EyrieConfig) -> dict | None:
     left = [c for c in range(n_chunks) if chunk_done(out, c, config_hash, verify=False) is None]
     check_disk_budget(out, tokens_of(left), bytes_per_token(meta), announce=rank == 0)
     todo = [c for c in mine if chunk_done(out, c, config_hash, ec.verify_resume) is None]
+    # this rank's outputs: its stats, rank 0's manifest, the shards and records of the chunks it writes
+    own = {f".rank-{rank}.json"} | ({"manifest.json"} if rank == 0 else set())
+    if writes:
+        own |= {name for c in todo for name in (f"shard-{c:05d}.arrow", _record_path(out, c).name)}
+    remove_stale_temporaries(out, own)
     print(f"[extract] rank {rank}/{world}: {len(mine)} shards, {len(mine) - len(todo)} already complete, "
           f"{backend_name} backend, device {device}, {dtype_name}, aux layers {layer_ids}"
           + (f", tensor-parallel rank {tp_rank}/{tp} of group {group}" if tp > 1 else ""), flush=True)

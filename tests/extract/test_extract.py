@@ -225,3 +225,12 @@ def test_non_finite_samples_are_skipped_counted_and_never_written(prepared, tmp_
     assert all(torch.isfinite(f.aux_hidden).all() and torch.isfinite(f.final_hidden).all() for f in features)
     shutil.rmtree(run_dir / "features")
     survival(f"bad input: NaN hidden states ({run_dir.parent.name} target; skipped and counted)", 1, 1)
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_owner_only(tmp_path):
+    from extract.job import remove_stale_temporaries
+    names = [".shard-00000.arrow.tmp-99999", "..shard-00000.json.tmp-99999", ".shard-00001.arrow.tmp-1", "shard-00000.arrow"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    remove_stale_temporaries(tmp_path, {"shard-00000.arrow", ".shard-00000.json"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shard-00001.arrow.tmp-1", "shard-00000.arrow"]
