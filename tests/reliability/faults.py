@@ -2,7 +2,7 @@
 
 Every case records, through the `survival` fixture (tests/conftest.py), what was tried, how many times the
 run survived (finished correctly after the fault, or refused the input clearly) and how many samples or steps
-were lost or corrupted; pytest prints the table after the run. CI runs a few kill points per loop;
+were lost or corrupted; pytest prints the table after the run. CI runs 3 extraction kills and 1 training kill (mid-save);
 EYRIE_RELIABILITY_FULL=1 runs all of them.
 """
 from __future__ import annotations
