@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
+from .fused import RMSNorm, SwiGLUMLP
 from .mla import ARCH as MLA_ARCH
 from .mla import FIELDS as MLA_FIELDS
 from .mla import Eagle3MLAttention, is_mla, mla_fields
@@ -132,12 +132,12 @@ class Eagle3Attention(nn.Module):
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3MLAttention(config) if is_mla(config) else Eagle3Attention(config)
         self.attention_backend = "blockwise"
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, embeds, hidden, cos, sin, *past_flat, cache: "KVCache | None" = None):
         past = list(zip(past_flat[0::2], past_flat[1::2]))
@@ -159,7 +159,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, loaded by the trainer
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         # MLA rotates only its qk_rope_head_dim dims of each head
         self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**(config.to_dict() | {"head_dim": config.qk_rope_head_dim}))

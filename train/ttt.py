@@ -5,10 +5,11 @@ t, at RoPE position t+j; it predicts x[t+j+2] against the teacher's distribution
 each position t plays one whole k-step chain draft, as SGLang runs it after the target verified x[..t+1].
 
 Attention (the EAGLE-3 rule): a query of step j at t sees the first step's keys causally (positions <= t,
-conditioned on the target's states) plus the keys of steps 1..j at the same position t only. Both
-implementations keep memory linear in T: `blockwise` computes exact attention one query block at a time and
-recomputes each block in backward (any device); `flex` runs one fused flex-attention kernel over all steps'
-keys with a block-sparse mask (CUDA).
+conditioned on the target's states) plus the keys of steps 1..j at the same position t only. It is computed in
+two parts: plain causal attention over the first step's keys, returning its log-sum-exp, and the j diagonal
+scores q_t · k_i[t], merged by their softmax weights. Nothing is spent on masked-out blocks and no step's keys
+are copied. The causal part is `flex` (one fused kernel, CUDA) or `blockwise` (exact, one query block at a
+time, recomputed in backward; any device); both keep memory linear in T.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .fused import soft_cross_entropy
 
 BLOCK_ELEMENTS = 1 << 25  # score elements per query block (x4 bytes in fp32): bounds blockwise's peak memory
 
@@ -29,71 +31,80 @@ _FLEX_FAILED: list[str] = []
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
                   backend: str) -> torch.Tensor:
     """q [B, Hq, T, D]; keys/values: one [B, Hkv, T, D] per step so far, keys[0] the first (causal) step."""
-    if backend == "flex" and not _FLEX_FAILED:
-        try:
-            return flex_ttt_attention(q, keys, values, scale)
-        except Exception as e:  # e.g. Inductor has no kernel for a tiny head_dim: same math, blockwise
-            _FLEX_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
-            warnings.warn(f"flex attention unavailable for this drafter ({_FLEX_FAILED[0]}); using blockwise")
-    return blockwise_ttt_attention(q, keys, values, scale)
-
-
-def _attend_block(q, k0, v0, *diagonal, start: int, scale: float):
-    n = len(diagonal) // 2
-    dk, dv = diagonal[:n], diagonal[n:]
-    scores = (q @ k0.transpose(-1, -2)).float() * scale                       # [B, H, blk, end]
-    rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
-    cols = torch.arange(k0.shape[2], device=q.device)[None, :]
-    scores = scores.masked_fill(cols > rows, float("-inf"))
-    own = [(q * k).sum(-1, keepdim=True).float() * scale for k in dk]         # [B, H, blk, 1] each
-    probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1).to(q.dtype)
-    end = k0.shape[2]
-    out = probs[..., :end] @ v0
-    for i, v in enumerate(dv):
-        out = out + probs[..., end + i:end + i + 1] * v
+    out, lse = causal_attention(q, keys[0], values[0], scale, backend)
+    if len(keys) == 1:
+        return out
+    B, H, T, D = q.shape
+    groups = keys[0].shape[1]  # grouped-query attention: each kv head serves H // groups query heads
+    qg = q.view(B, groups, H // groups, T, D)
+    diagonal = [(qg * k[:, :, None]).sum(-1).float().view(B, H, T) * scale for k in keys[1:]]
+    weights = torch.softmax(torch.stack([lse, *diagonal], dim=-1), dim=-1).to(out.dtype)  # [B, H, T, 1 + j]
+    out = out * weights[..., :1]
+    for i, v in enumerate(values[1:], start=1):
+        w = weights[..., i:i + 1].view(B, groups, H // groups, T, 1)
+        out = out + (w * v[:, :, None]).view(B, H, T, v.shape[-1])
     return out
 
 
-def blockwise_ttt_attention(q, keys, values, scale, block: int | None = None):
+def causal_attention(q, k, v, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its log-sum-exp [B, Hq, T] (fp32, natural log)."""
+    if backend == "flex" and not _FLEX_FAILED:
+        try:
+            return flex_causal_attention(q, k, v, scale)
+        except Exception as e:  # e.g. Inductor has no kernel for a tiny head_dim: same math, blockwise
+            _FLEX_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
+            warnings.warn(f"flex attention unavailable for this drafter ({_FLEX_FAILED[0]}); using blockwise")
+    return blockwise_causal_attention(q, k, v, scale)
+
+
+def _attend_block(q, k, v, start: int, scale: float):
+    scores = (q @ k.transpose(-1, -2)).float() * scale                       # [B, H, blk, end]
+    rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+    cols = torch.arange(k.shape[2], device=q.device)[None, :]
+    scores = scores.masked_fill(cols > rows, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse[..., None]).to(q.dtype) @ v), lse
+
+
+def blockwise_causal_attention(q, k, v, scale, block: int | None = None):
     B, H, T, D = q.shape
-    rep = H // keys[0].shape[1]  # grouped-query attention: share each kv head across `rep` query heads
-    keys = [k.repeat_interleave(rep, dim=1) if rep > 1 else k for k in keys]
-    values = [v.repeat_interleave(rep, dim=1) if rep > 1 else v for v in values]
+    rep = H // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     block = block or max(16, BLOCK_ELEMENTS // max(B * H * T, 1))
     recompute = torch.is_grad_enabled() and T > block
-    outs = []
+    outs, lses = [], []
     for start in range(0, T, block):
         end = min(start + block, T)
-        args = (q[:, :, start:end], keys[0][:, :, :end], values[0][:, :, :end],
-                *(k[:, :, start:end] for k in keys[1:]), *(v[:, :, start:end] for v in values[1:]))
+        args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end])
         fn = functools.partial(_attend_block, start=start, scale=scale)
-        outs.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
-    return torch.cat(outs, dim=2)
+        out, lse = checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 @functools.lru_cache(maxsize=64)
-def _block_mask(T: int, steps: int, device: str):
+def _causal_block_mask(T: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
-
-    def rule(b, h, q_idx, kv_idx):  # first step causal; later steps only at the query's own position
-        return torch.where(kv_idx < T, kv_idx <= q_idx, (kv_idx % T) == q_idx)
-    return create_block_mask(rule, None, None, T, steps * T, device=device, _compile=True)
+    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, T, T, device=device,
+                             _compile=True)
 
 
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    # every (T, step) pair is a new shape: without room for them torch.compile falls back to the unfused
-    # flex path, which materialises the T x kT scores
+    # room for every sequence length a run meets: past the limit torch.compile falls back to the unfused
+    # flex path, which materialises the T x T scores
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_ttt_attention(q, keys, values, scale):
-    mask = _block_mask(q.shape[2], len(keys), str(q.device))
-    return _compiled_flex()(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), block_mask=mask, scale=scale,
-                            enable_gqa=keys[0].shape[1] != q.shape[1])
+def flex_causal_attention(q, k, v, scale):
+    out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(q.shape[2], str(q.device)), scale=scale,
+                                enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+    return out, lse.float()
 
 
 def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -141,10 +152,8 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
         # own choice at t+j+1 is in the draft vocab (EAGLE-3 masks the rest: no draft could match it).
         scored = _shift(loss_mask, j + 2, False)
         mask = scored & _shift(teacher.in_vocab, j + 1, False)
-        target_p = _shift(teacher.probs, j + 1)
-        token_loss = -(target_p.float() * F.log_softmax(out.logits.float(), dim=-1)).sum(-1)
         n = mask.sum()
-        loss_j = (token_loss * mask).sum() / n.clamp(min=1)
+        loss_j = soft_cross_entropy(out.logits, _shift(teacher.probs, j + 1), mask) / n.clamp(min=1)
         total = total + decay ** j * loss_j
         with torch.no_grad():
             draft = out.logits.argmax(-1)

@@ -1,22 +1,44 @@
-"""Drafter training step on a GPU: peak memory vs sequence length and throughput/MFU, per TTT attention backend
+"""Drafter training step on one GPU, Eyrie's product path side by side with SpecForge's, in one process
 (not collected by pytest).
 
-    python tests/benchmarks/bench_train.py [--lengths 2048,4096,8192,16384] [--backends flex,blockwise]
+    python tests/benchmarks/bench_train.py --shapes llama3-8b,kimi-k2.5 --lengths 2048,8192,16384 \
+        --peers eyrie,specforge [--loader-samples 64] [--json out.json]
 
-A Llama-3-8B-shaped drafter (hidden 4096, 32/8 heads, MLP 14336, target vocab 128256, draft vocab 32000),
-bf16, 7-step TTT forward + backward (the teacher's LM head included) on random inputs of one sequence of
-length T. MFU counts 6 x trainable params per token per step (fc once) + attention + the teacher's LM head,
-against a bf16 matmul rate measured in the same run.
+eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
+the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`. specforge (0.2.0, when importable):
+`OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
+`TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`. Same random inputs: one sequence of T tokens, all
+in the loss, TTT 7, decay 0.8. Peak memory = torch's max allocated over the timed steps, weights and optimizer
+state included.
+
+Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 2 kvh) hd + nh hd H + 3 H I +
+H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
+the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
+
+--loader-samples N writes N samples of the first shape through data/'s shard writer and streams them through
+the trainer's loader (FeatureData.stream: collate + pin on a thread) while eyrie steps: read GB/s and stall.
 """
 import argparse
+import gc
 import json
+import os
+import shutil
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from train import ttt
-from train.drafter import Eagle3Drafter
-from train.teacher import Teacher
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, intermediate; draft vocab
+    "llama3-8b": dict(Ht=4096, Vt=128256, H=4096, nh=32, kvh=8, hd=128, I=14336, Vd=32000),
+    "kimi-k2.5": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=64, hd=128, I=18432, Vd=32000),
+    "kimi-k2.5-kv8": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=8, hd=128, I=18432, Vd=32000),
+}
+STEPS, DECAY = 7, 0.8
 
 
 def matmul_tflops() -> float:
@@ -31,62 +53,250 @@ def matmul_tflops() -> float:
     return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t) / 1e12
 
 
+def useful_flops(s: dict, T: int) -> float:
+    P = 2 * s["H"] * (s["nh"] + 2 * s["kvh"]) * s["hd"] + s["nh"] * s["hd"] * s["H"] + 3 * s["H"] * s["I"] \
+        + s["H"] * s["Vd"]
+    pairs = sum((T + 1) / 2 + j for j in range(STEPS))
+    per_token = STEPS * 3 * 2 * P + 4 * s["nh"] * s["hd"] * 3 * pairs + 2 * 2 * 3 * s["Ht"] * s["H"] \
+        + 2 * s["Ht"] * s["Vt"]
+    return per_token * T
+
+
+def llama_config(s: dict):
+    from transformers import LlamaConfig
+    return LlamaConfig(architectures=["LlamaForCausalLMEagle3"], hidden_size=s["H"], num_attention_heads=s["nh"],
+                       num_key_value_heads=s["kvh"], head_dim=s["hd"], intermediate_size=s["I"], rms_norm_eps=1e-5,
+                       vocab_size=s["Vt"], max_position_embeddings=131072, rope_theta=500000.0, num_hidden_layers=1,
+                       draft_vocab_size=s["Vd"], target_hidden_size=s["Ht"], tie_word_embeddings=False)
+
+
+def vocab(s: dict):
+    d2t = torch.zeros(s["Vd"], dtype=torch.int64)
+    t2d = torch.zeros(s["Vt"], dtype=torch.bool)
+    t2d[:s["Vd"]] = True
+    return d2t, t2d
+
+
+@dataclass
+class Inputs:
+    ids: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+def make_inputs(s: dict, T: int) -> Inputs:
+    g = torch.Generator().manual_seed(T)
+    return Inputs(torch.randint(0, s["Vd"], (1, T), generator=g),
+                  torch.randn(1, T, 3 * s["Ht"], generator=g).bfloat16().pin_memory(),
+                  torch.randn(1, T, s["Ht"], generator=g).bfloat16().pin_memory())
+
+
+class Eyrie:
+    """The product's training step: train/main.py's pieces, on synthetic inputs."""
+
+    def __init__(self, s: dict, activation_checkpointing: bool):
+        from data.config import TrainConfig
+        from train.drafter import Eagle3Drafter
+        from train.engine import deepspeed_config, init_engine
+        from train.teacher import Teacher
+        d2t, t2d = vocab(s)
+        model = Eagle3Drafter(llama_config(s), d2t, t2d)
+        model.set_attention("flex")
+        model.activation_checkpointing = activation_checkpointing
+        self.engine = init_engine(model, deepspeed_config(TrainConfig(), 1000, bf16=True))
+        self.teacher = Teacher(torch.randn(s["Vt"], s["Ht"], device="cuda", dtype=torch.bfloat16) * 0.02,
+                               t2d.cuda())
+
+    def step(self, x: Inputs, timer) -> float:
+        from train.ttt import ttt_unroll
+        with timer("data"):
+            ids, aux, final = (t.cuda(non_blocking=True) for t in (x.ids, x.aux, x.final))
+            mask, lengths = torch.ones_like(ids, dtype=torch.bool), torch.tensor([ids.shape[1]], device="cuda")
+        with timer("teacher"):
+            teacher = self.teacher(final)
+        with timer("forward"):
+            r = ttt_unroll(self.engine, ids, aux, mask, lengths, teacher, STEPS, DECAY)
+        with timer("backward"):
+            self.engine.backward(r.loss)
+        with timer("optimizer"):
+            self.engine.step()
+        return r.loss.item()
+
+    def close(self):
+        self.engine.destroy()
+
+
+class SpecForge:
+    """SpecForge 0.2.0's offline EAGLE-3 step as its trainer runs it on one GPU (no FSDP wrapper)."""
+
+    def __init__(self, s: dict, activation_checkpointing: bool):
+        from specforge.algorithms.eagle3.model import OnlineEagle3Model
+        from specforge.modeling.auto import AutoDraftModel
+        from specforge.modeling.target.target_head import TargetHead
+        from specforge.optimizer import BF16Optimizer
+        from specforge.training.strategies.base import Eagle3TrainStrategy
+        config = llama_config(s)
+        draft = AutoDraftModel.from_config(config, attention_backend="flex_attention", torch_dtype=torch.bfloat16)
+        draft.d2t.copy_(vocab(s)[0])
+        draft.t2d.copy_(vocab(s)[1])
+        draft.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen (as its trainer does)
+        self.model = OnlineEagle3Model(draft, length=STEPS, attention_backend="flex_attention").cuda()
+        with tempfile.TemporaryDirectory() as d:
+            config.save_pretrained(d)  # TargetHead reads hidden/vocab sizes from a model directory
+            head = TargetHead(d)
+        head.fc.weight.data.normal_(0, 0.02)
+        head.freeze_weights()
+        head = head.eval().to("cuda", torch.bfloat16)
+        self.strategy = Eagle3TrainStrategy(self.model, target_head=head, ploss_decay=DECAY)
+        self.optimizer = BF16Optimizer(self.model, lr=1e-4, total_steps=1000)
+
+    def step(self, x: Inputs, timer) -> float:
+        from specforge.runtime.contracts import TrainBatch
+        with timer("data"):
+            ids = x.ids.cuda(non_blocking=True)
+            tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+                       "hidden_state": x.aux.cuda(non_blocking=True), "target": x.final.cuda(non_blocking=True)}
+        with timer("forward"):  # its teacher (full-vocabulary logits) runs inside forward_loss
+            out = self.strategy.forward_loss(TrainBatch(["0"], "eagle3", tensors, {"target_repr": "hidden_state"}))
+        with timer("backward"):
+            out.loss.backward()
+        with timer("optimizer"):
+            self.optimizer.step()
+        return out.loss.item()
+
+    def close(self):
+        pass
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class Phase:
+            def __enter__(self):
+                torch.cuda.synchronize()
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                torch.cuda.synchronize()
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
+        return Phase()
+
+
+def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops: float, ckpt: bool,
+             profile: bool = False) -> list[dict]:
+    s = SHAPES[shape]
+    rows = []
+    try:
+        runner = (Eyrie if peer == "eyrie" else SpecForge)(s, ckpt)
+    except ImportError as e:
+        return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
+    for T in lengths:
+        row = {"peer": peer + ("+ckpt" if ckpt else ""), "shape": shape, "T": T}
+        x = make_inputs(s, T)
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            runner.step(x, Timer())  # compiles flex for this length, allocates optimizer state
+            torch.cuda.reset_peak_memory_stats()
+            timer, t0, losses = Timer(), time.perf_counter(), []
+            for _ in range(iters):
+                losses.append(runner.step(x, timer))
+            sec = (time.perf_counter() - t0) / iters
+        except torch.OutOfMemoryError:
+            rows.append(row | {"error": "out of memory"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        if profile and T == lengths[0]:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.step(x, Timer())
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90),
+                  flush=True)
+        row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
+                "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
+                "split_ms": {k: round(v / iters * 1e3, 1) for k, v in timer.seconds.items()},
+                "loss": round(losses[-1], 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    runner.close()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def loader_stall(shape: str, T: int, samples: int) -> dict:
+    """Shards written with data/'s writer, read by the trainer's loader while the eyrie step runs."""
+    from data.shards import ShardMeta, ShardWriter, write_manifest
+    from train.loader import FeatureData
+    s = SHAPES[shape]
+    d = Path(tempfile.mkdtemp(prefix="eyrie-loader-"))
+    meta = ShardMeta(kind="features", target_id="bench", aux_layer_ids=[1, 15, 28], hidden_size=s["Ht"],
+                     dtype="bfloat16", final_hidden="post_norm")
+    x = make_inputs(s, T)
+    infos = []
+    for shard in range(0, samples, 16):
+        with ShardWriter(d / f"shard-{shard // 16:05d}.arrow", meta) as w:
+            for i in range(shard, min(shard + 16, samples)):
+                w.write(f"s{i}", x.ids[0].tolist(), [1] * T, x.aux[0], x.final[0])
+            infos.append(w.close())
+    write_manifest(d, meta, infos)
+    nbytes = sum(i["bytes"] for i in infos)
+    dropped = os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null") == 0
+    data = FeatureData(d, 0.0, T, 0, 0, 1)
+    t0 = time.perf_counter()
+    for _ in data.stream(0, 0, 1, pin=True):
+        pass
+    read_s = time.perf_counter() - t0
+    runner, timer, waited = Eyrie(s, False), Timer(), 0.0
+    stream = data.stream(0, 0, 1, pin=True)
+    first = True
+    for _, _, batch, wait in stream:
+        if first:  # compile + warm-up step outside the measurement
+            runner.step(Inputs(batch.input_ids, batch.aux_hidden, batch.final_hidden), Timer())
+            first, t0 = False, time.perf_counter()
+            continue
+        waited += wait
+        runner.step(Inputs(batch.input_ids, batch.aux_hidden, batch.final_hidden), timer)
+    total = time.perf_counter() - t0
+    runner.close()
+    shutil.rmtree(d)
+    return {"shape": shape, "T": T, "samples": samples, "bytes": nbytes, "page_cache_dropped": dropped,
+            "loader_read_gb_per_s": round(nbytes / read_s / 1e9, 2), "steps": samples - 1,
+            "loader_stall_fraction": round(waited / total, 4), "step_seconds": round(total / (samples - 1), 4)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--lengths", default="2048,4096,8192,16384")
-    p.add_argument("--backends", default="flex,blockwise")
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--shapes", default="llama3-8b,kimi-k2.5")
+    p.add_argument("--lengths", default="2048,8192,16384")
+    p.add_argument("--peers", default="eyrie,specforge")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--activation-checkpointing", action="store_true", help="eyrie: recompute the layer per step")
+    p.add_argument("--loader-samples", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step at the first T")
     a = p.parse_args()
-    from transformers import LlamaConfig
-    H, V, Vd = 4096, 128256, 32000
-    config = LlamaConfig(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=14336, rms_norm_eps=1e-5, vocab_size=V, max_position_embeddings=131072,
-                         rope_theta=500000.0, draft_vocab_size=Vd, target_hidden_size=H, num_hidden_layers=1)
-    d2t = torch.zeros(Vd, dtype=torch.int64)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[:Vd] = True
-    dev = torch.device("cuda")
-    model = Eagle3Drafter(config, d2t, t2d).to(dev, torch.bfloat16)
-    teacher = Teacher(torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.02, t2d)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    fc = model.fc.weight.numel()
-    peak_tflops = matmul_tflops()
-    results = {"peak_bf16_matmul_tflops": round(peak_tflops, 1), "trainable_params": trainable, "runs": []}
-    for backend in a.backends.split(","):
-        model.set_attention(backend)
-        for T in map(int, a.lengths.split(",")):
-            ids = torch.randint(0, Vd, (1, T), device=dev)
-            aux = torch.randn(1, T, 3 * H, device=dev, dtype=torch.bfloat16)
-            final = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
-            mask, lengths = torch.ones(1, T, dtype=torch.bool, device=dev), torch.tensor([T], device=dev)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            times = []
-            try:
-                for it in range(a.iters + 1):  # the first iteration compiles (flex) and warms up
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    r = ttt.ttt_unroll(model, ids, aux, mask, lengths, teacher(final), a.steps, 0.8)
-                    r.loss.backward()
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t)
-                    model.zero_grad(set_to_none=True)
-            except torch.OutOfMemoryError:
-                results["runs"].append({"backend": backend, "T": T, "error": "out of memory"})
-                print(json.dumps(results["runs"][-1]), flush=True)
-                continue
-            sec = sum(times[1:]) / len(times[1:])
-            attn = 4 * 32 * 128 * (T / 2 + a.steps) * 3  # per token per step, fwd + bwd (QK and PV), causal
-            flops = T * (a.steps * (6 * (trainable - fc) + attn) + 6 * fc + 2 * V * H)
-            run = {"backend": backend, "T": T, "steps": a.steps, "seconds": round(sec, 4),
-                   "tokens_per_s": round(T / sec), "peak_memory_gb": round((torch.cuda.max_memory_allocated() - base)
-                                                                            / 2 ** 30, 2),
-                   "mfu_vs_measured_matmul": round(flops / sec / 1e12 / peak_tflops, 3)}
-            results["runs"].append(run)
-            print(json.dumps(run), flush=True)
-    print(json.dumps(results, indent=1))
+    from train.main import setup_distributed
+    setup_distributed()
+    peak = matmul_tflops()
+    out = {"peak_bf16_matmul_tflops": round(peak, 1), "torch": torch.__version__, "rows": []}
+    print(json.dumps(out), flush=True)
+    lengths = [int(t) for t in a.lengths.split(",")]
+    for shape in a.shapes.split(","):
+        for peer in a.peers.split(","):
+            ckpt = a.activation_checkpointing and peer == "eyrie"
+            out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile)
+    if a.loader_samples:
+        out["loader"] = loader_stall(a.shapes.split(",")[0], 2048, a.loader_samples)
+        print(json.dumps(out["loader"]), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

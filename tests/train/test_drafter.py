@@ -120,8 +120,10 @@ def test_ttt_unroll_matches_reference(drafter, features_run, monkeypatch, block)
     torch.testing.assert_close(g_ours, wq.grad, atol=1e-4, rtol=1e-3)
 
 
-def test_blockwise_memory_is_linear_in_length():
-    """The bytes autograd keeps for the blockwise attention grow ~linearly with T (T x T scores: 16x per 4x)."""
+def test_blockwise_memory_is_linear_in_length(monkeypatch):
+    """The bytes autograd keeps for the TTT attention grow ~linearly with T (T x T scores: 16x per 4x)."""
+    monkeypatch.setattr(ttt, "BLOCK_ELEMENTS", 64 * 4 * 2048)  # query blocks of 64 rows at T = 2048
+
     def saved_bytes(T):
         q = torch.randn(1, 4, T, 16, requires_grad=True)
         ks = [torch.randn(1, 4, T, 16, requires_grad=True) for _ in range(3)]
@@ -132,10 +134,26 @@ def test_blockwise_memory_is_linear_in_length():
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ttt.blockwise_ttt_attention(q, ks, vs, 0.25, block=64)
+            ttt.ttt_attention(q, ks, vs, 0.25, "blockwise")
         return sum(storages.values())
     small, large = saved_bytes(512), saved_bytes(2048)
     assert large / small < 5, (small, large)  # 4x the length: ~4x, not 16x
+
+
+def test_flex_and_blockwise_ttt_attention_agree(monkeypatch):
+    """flex's log-sum-exp (the merge with the diagonal keys relies on it) against blockwise's, with grouped-query
+    heads. Uncompiled flex on the CPU (no backward there): tests/gpu/test_flex_ttt.py checks gradients on CUDA."""
+    from torch.nn.attention.flex_attention import flex_attention
+    monkeypatch.setattr(ttt, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(ttt, "_causal_block_mask", ttt._causal_block_mask.__wrapped__)
+    monkeypatch.setattr(ttt, "_FLEX_FAILED", [])
+    torch.manual_seed(0)
+    q, *kv = [torch.randn(2, 4, 24, 8)] + [torch.randn(2, 2, 24, 8) for _ in range(6)]
+    with torch.no_grad():
+        flex = ttt.ttt_attention(q, kv[:3], kv[3:], 0.3, "flex")
+        blockwise = ttt.ttt_attention(q, kv[:3], kv[3:], 0.3, "blockwise")
+    assert not ttt._FLEX_FAILED
+    torch.testing.assert_close(flex, blockwise, atol=1e-5, rtol=1e-4)
 
 
 def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):

@@ -1,0 +1,121 @@
+"""Memory-light autograd functions for the two largest activations of a TTT step.
+
+Autograd's default graph for `-(p · log_softmax(logits.float())).sum(-1)` keeps, per TTT step, the fp32 logits,
+their fp32 log-softmax and an fp32 copy of the teacher's distribution: ~14 bytes per draft-vocab entry per
+token (a 32K draft vocab: 450 KB per token per step). SwiGLU keeps gate, up, silu(gate) and their product.
+RMSNorm keeps an fp32 copy of its input and the normalised tensor. The functions below keep only what backward
+cannot cheaply recompute, and compute the same values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of the loss are bounded to chunk x vocab <= 64M values (256 MB)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per-token -Σ_v p_v · log softmax(logits)_v, weighted and summed: Σ_t weight_t · CE_t.
+
+    The gradient w.r.t. the logits, weight_t · (softmax - p), is computed in forward (in fp32, chunked over
+    tokens) and kept in the logits' dtype: 2 bytes per entry in bf16 instead of ~14, and backward is one
+    multiply. The teacher's distribution is not kept."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        V = logits.shape[-1]
+        flat, p, w = logits.reshape(-1, V), target_p.reshape(-1, V), weight.reshape(-1).float()
+        grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        total = flat.new_zeros((), dtype=torch.float32)
+        chunk = max(1, CHUNK_ELEMENTS // V)
+        for s in range(0, flat.shape[0], chunk):
+            x, q, wc = flat[s:s + chunk].float(), p[s:s + chunk].float(), w[s:s + chunk]
+            log_probs = torch.log_softmax(x, dim=-1)
+            total += (-(q * log_probs).sum(-1) * wc).sum()
+            if grad is not None:
+                grad[s:s + chunk] = ((log_probs.exp_() - q) * wc[:, None]).to(grad.dtype)
+        ctx.save_for_backward(grad)
+        ctx.shape = logits.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_out.to(grad.dtype)).view(ctx.shape), None, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Σ_t weight_t · (-Σ_v target_p[t, v] · log_softmax(logits[t])_v), fp32; gradient for `logits` only."""
+    return SoftCrossEntropy.apply(logits, target_p, weight)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) * up), keeping only gate and up: silu and the product are recomputed in backward
+    (elementwise, cheap), which saves two [T, intermediate] tensors per step."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, down_weight)
+        return F.linear(F.silu(gate) * up, down_weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up, w = ctx.saved_tensors
+        silu = F.silu(gate)
+        grad_act = grad_out @ w
+        grad_w = grad_out.flatten(0, -2).T @ (silu * up).flatten(0, -2) if ctx.needs_input_grad[2] else None
+        return torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu, grad_w
+
+
+class _RMSNorm(torch.autograd.Function):
+    """LlamaRMSNorm's value (fp32 statistics, weight applied in the input dtype), keeping the input and one
+    fp32 scalar per token instead of an fp32 copy of the input and the normalised tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        grad_weight = (grad_out * xhat.to(x.dtype)).float().flatten(0, -2).sum(0).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        g = (grad_out * weight).float()
+        grad_x = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm (same parameter, same value) with _RMSNorm when training."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    """transformers' LlamaMLP (same parameter names, same math) with _SwiGLUDown when training."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled():
+            return _SwiGLUDown.apply(gate, up, self.down_proj.weight)
+        return self.down_proj(F.silu(gate) * up)
