@@ -28,11 +28,14 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
-from .fused import RMSNorm, SwiGLUMLP
+from .fused import RMSNorm, SwiGLUMLP, on_cuda_compiled
 from .mla import ARCH as MLA_ARCH
 from .mla import FIELDS as MLA_FIELDS
 from .mla import Eagle3MLAttention, is_mla, mla_fields
 from .ttt import ttt_attention
+
+
+_rope = on_cuda_compiled(apply_rotary_pos_emb)
 
 
 def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: int,
@@ -125,7 +128,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = _rope(q, k, cos, sin)
         return q, k, v
 
 

@@ -5,14 +5,38 @@ their fp32 log-softmax and an fp32 copy of the teacher's distribution: ~14 bytes
 token (a 32K draft vocab: 450 KB per token per step). SwiGLU keeps gate, up, silu(gate) and their product.
 RMSNorm keeps an fp32 copy of its input and the normalised tensor. The functions below keep only what backward
 cannot cheaply recompute, and compute the same values.
+
+Their elementwise math runs as eager PyTorch on the CPU and through torch.compile on CUDA (`on_cuda_compiled`):
+eager, each of those ops is a kernel reading and writing whole tensors, which cost a TTT step on an H200 ~40% of
+its time; compiled, each function is one or two fused kernels. dynamic=True: one compile serves every length.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of the loss are bounded to chunk x vocab <= 64M values (256 MB)
+
+
+def on_cuda_compiled(fn):
+    """fn itself for CPU tensors; torch.compile(fn, dynamic=True) for CUDA ones (compiled on first use)."""
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+
+    @functools.wraps(fn)
+    def wrapper(x, *args):
+        return compiled()(x, *args) if x.is_cuda else fn(x, *args)
+    return wrapper
+
+
+@on_cuda_compiled
+def _soft_ce_chunk(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = torch.log_softmax(x.float(), dim=-1)
+    p = p.float()
+    loss = (-(p * log_probs).sum(-1) * w).sum()
+    return loss, ((log_probs.exp() - p) * w[:, None]).to(x.dtype)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -30,11 +54,10 @@ class SoftCrossEntropy(torch.autograd.Function):
         total = flat.new_zeros((), dtype=torch.float32)
         chunk = max(1, CHUNK_ELEMENTS // V)
         for s in range(0, flat.shape[0], chunk):
-            x, q, wc = flat[s:s + chunk].float(), p[s:s + chunk].float(), w[s:s + chunk]
-            log_probs = torch.log_softmax(x, dim=-1)
-            total += (-(q * log_probs).sum(-1) * wc).sum()
+            loss, g = _soft_ce_chunk(flat[s:s + chunk], p[s:s + chunk], w[s:s + chunk])
+            total += loss
             if grad is not None:
-                grad[s:s + chunk] = ((log_probs.exp_() - q) * wc[:, None]).to(grad.dtype)
+                grad[s:s + chunk] = g
         ctx.save_for_backward(grad)
         ctx.shape = logits.shape
         return total
@@ -50,6 +73,12 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, weight: tor
     return SoftCrossEntropy.apply(logits, target_p, weight)
 
 
+@on_cuda_compiled
+def _swiglu_grads(grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    silu = F.silu(gate)
+    return torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu, silu * up
+
+
 class _SwiGLUDown(torch.autograd.Function):
     """down(silu(gate) * up), keeping only gate and up: silu and the product are recomputed in backward
     (elementwise, cheap), which saves two [T, intermediate] tensors per step."""
@@ -62,10 +91,24 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up, w = ctx.saved_tensors
-        silu = F.silu(gate)
-        grad_act = grad_out @ w
-        grad_w = grad_out.flatten(0, -2).T @ (silu * up).flatten(0, -2) if ctx.needs_input_grad[2] else None
-        return torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu, grad_w
+        grad_gate, grad_up, act = _swiglu_grads(grad_out @ w, gate, up)
+        grad_w = grad_out.flatten(0, -2).T @ act.flatten(0, -2) if ctx.needs_input_grad[2] else None
+        return grad_gate, grad_up, grad_w
+
+
+@on_cuda_compiled
+def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd
+
+
+@on_cuda_compiled
+def _rms_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    xhat = x.float() * rstd
+    grad_weight = (grad_out * xhat.to(x.dtype)).float().flatten(0, -2).sum(0).to(weight.dtype)
+    g = (grad_out * weight).float()
+    return (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype), grad_weight
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -74,20 +117,14 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = _rms_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        grad_weight = (grad_out * xhat.to(x.dtype)).float().flatten(0, -2).sum(0).to(weight.dtype) \
-            if ctx.needs_input_grad[1] else None
-        g = (grad_out * weight).float()
-        grad_x = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        grad_x, grad_weight = _rms_backward(grad_out, *ctx.saved_tensors)
+        return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
 
 
 class RMSNorm(nn.Module):
@@ -101,8 +138,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        return _rms_forward(x, self.weight, self.variance_epsilon)[0]
 
 
 class SwiGLUMLP(nn.Module):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .fused import soft_cross_entropy
+from .fused import on_cuda_compiled, soft_cross_entropy
 
 BLOCK_ELEMENTS = 1 << 25  # score elements per query block (x4 bytes in fp32): bounds blockwise's peak memory
 
@@ -34,13 +34,19 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     out, lse = causal_attention(q, keys[0], values[0], scale, backend)
     if len(keys) == 1:
         return out
+    return _merge_diagonal(out, lse, q, keys[1:], values[1:], scale)
+
+
+@on_cuda_compiled
+def _merge_diagonal(out, lse, q, keys, values, scale: float) -> torch.Tensor:
+    """The causal part's output and log-sum-exp merged with the scores of the same position's later keys."""
     B, H, T, D = q.shape
     groups = keys[0].shape[1]  # grouped-query attention: each kv head serves H // groups query heads
     qg = q.view(B, groups, H // groups, T, D)
-    diagonal = [(qg * k[:, :, None]).sum(-1).float().view(B, H, T) * scale for k in keys[1:]]
+    diagonal = [(qg * k[:, :, None]).sum(-1).float().view(B, H, T) * scale for k in keys]
     weights = torch.softmax(torch.stack([lse, *diagonal], dim=-1), dim=-1).to(out.dtype)  # [B, H, T, 1 + j]
     out = out * weights[..., :1]
-    for i, v in enumerate(values[1:], start=1):
+    for i, v in enumerate(values, start=1):
         w = weights[..., i:i + 1].view(B, groups, H // groups, T, 1)
         out = out + (w * v[:, :, None]).view(B, H, T, v.shape[-1])
     return out

@@ -23,3 +23,32 @@ def test_flex_matches_blockwise_with_gradients(T):
     for name, a, b in zip(["out", "q", "k0", "k1", "k2", "k3", "v0", "v1", "v2", "v3"], *results):
         error = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert error < 1e-2, (name, error)  # bf16: both round the probabilities to 8 bits
+
+
+def test_new_lengths_do_not_recompile_every_time():
+    """Batches come in many lengths: after the first two (static, then dynamic), a new length must not
+    compile new graphs (each compile costs seconds)."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig
+
+    from train.drafter import Eagle3Drafter
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         intermediate_size=512, vocab_size=1000, draft_vocab_size=300, target_hidden_size=256,
+                         num_hidden_layers=1, max_position_embeddings=4096)
+    model = Eagle3Drafter(config, torch.zeros(300, dtype=torch.int64), torch.ones(1000, dtype=torch.bool))
+    model = model.to("cuda", torch.bfloat16)
+    model.set_attention("flex")
+    graphs = []
+    for T in (1000, 1100, 1300, 1700, 2100):
+        ids = torch.randint(0, 300, (1, T), device="cuda")
+        hidden, past = torch.randn(1, T, 768, device="cuda", dtype=torch.bfloat16), []
+        loss = 0
+        for j in range(3):
+            out = model(ids, hidden, torch.arange(T, device="cuda")[None] + j, past)
+            hidden, past = out.hidden, past + [(out.key, out.value)]
+            loss = loss + out.logits.float().pow(2).mean()
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    print("compiled graphs after each length:", graphs)
+    assert not ttt._FLEX_FAILED
+    assert graphs[-1] == graphs[-2] == graphs[-3], graphs
