@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .fused import on_cuda_compiled, soft_cross_entropy
@@ -107,10 +108,21 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_length(T: int) -> int:
+    """The length flex runs at: T rounded up to a power of two up to 1024, then to a multiple of 1024. The
+    kernel is compiled per length (seconds each) and batches come in every length; causal masking makes the
+    zero padding at the end invisible to the real queries."""
+    return max(128, 1 << (T - 1).bit_length()) if T <= 1024 else -(-T // 1024) * 1024
+
+
 def flex_causal_attention(q, k, v, scale):
-    out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(q.shape[2], str(q.device)), scale=scale,
+    T = q.shape[2]
+    L = flex_length(T)
+    if L != T:
+        q, k, v = (F.pad(t, (0, 0, 0, L - T)) for t in (q, k, v))
+    out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(L, str(q.device)), scale=scale,
                                 enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
-    return out, lse.float()
+    return out[:, :, :T], lse[:, :, :T].float()
 
 
 def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:

@@ -26,8 +26,9 @@ def test_flex_matches_blockwise_with_gradients(T):
 
 
 def test_new_lengths_do_not_recompile_every_time():
-    """Batches come in many lengths: after the first two (static, then dynamic), a new length must not
-    compile new graphs (each compile costs seconds)."""
+    """Batches come in many lengths: flex runs at bucketed lengths (ttt.flex_length) and the fused functions
+    are compiled for dynamic shapes, so new lengths in a bucket compile nothing new (each compile costs
+    seconds)."""
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig
 
@@ -39,7 +40,7 @@ def test_new_lengths_do_not_recompile_every_time():
     model = model.to("cuda", torch.bfloat16)
     model.set_attention("flex")
     graphs = []
-    for T in (1000, 1100, 1300, 1700, 2100):
+    for T in (1100, 1300, 1700, 1900, 2048):  # one flex bucket: 2048
         ids = torch.randint(0, 300, (1, T), device="cuda")
         hidden, past = torch.randn(1, T, 768, device="cuda", dtype=torch.bfloat16), []
         loss = 0
@@ -51,4 +52,4 @@ def test_new_lengths_do_not_recompile_every_time():
         graphs.append(counters["stats"]["unique_graphs"])
     print("compiled graphs after each length:", graphs)
     assert not ttt._FLEX_FAILED
-    assert graphs[-1] == graphs[-2] == graphs[-3], graphs
+    assert graphs[-1] == graphs[1], graphs

@@ -154,6 +154,8 @@ def test_flex_and_blockwise_ttt_attention_agree(monkeypatch):
         blockwise = ttt.ttt_attention(q, kv[:3], kv[3:], 0.3, "blockwise")
     assert not ttt._FLEX_FAILED
     torch.testing.assert_close(flex, blockwise, atol=1e-5, rtol=1e-4)
+    assert [ttt.flex_length(T) for T in (24, 128, 129, 1024, 1025, 4096, 5000)] == \
+        [128, 128, 256, 1024, 2048, 4096, 5120]
 
 
 def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
