@@ -15,7 +15,7 @@ Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
 the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
 
---loader-samples N writes N samples of the first shape through data/'s shard writer and streams them through
+--loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard writer and streams them through
 the trainer's loader (FeatureData.stream: collate + pin on a thread) while eyrie steps: read GB/s and stall.
 """
 import argparse
@@ -191,7 +191,7 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     s = SHAPES[shape]
     rows = []
     try:
-        runner = (Eyrie if peer == "eyrie" else SpecForge)(s, ckpt)
+        runner = {"eyrie": Eyrie, "specforge": SpecForge}[peer](s, ckpt)
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
@@ -288,8 +288,12 @@ def main() -> None:
     out = {"peak_bf16_matmul_tflops": round(peak, 1), "torch": torch.__version__, "rows": []}
     print(json.dumps(out), flush=True)
     lengths = [int(t) for t in a.lengths.split(",")]
+    peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
+    unknown = set(peers) - {"eyrie", "specforge"}
+    if unknown:
+        raise SystemExit(f"--peers: unknown {sorted(unknown)} (eyrie, specforge)")
     for shape in a.shapes.split(","):
-        for peer in a.peers.split(","):
+        for peer in peers:
             ckpt = a.activation_checkpointing and peer == "eyrie"
             out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile)
     if a.loader_samples:
