@@ -44,6 +44,8 @@ class RegenerateConfig(Section):
     max_new_tokens: int = Field(1024, ge=1, description="answer length cap (replies that hit it are counted)")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy, the answers the target serves at temperature 0")
     keep_reasoning: bool = Field(True, description="keep the target's reasoning_content in the training text")
+    launch_server: bool = Field(False, description="the pipeline serves the target itself for this stage "
+                                "(sglang.launch_server on the endpoint's port, with serve.tp and serve.server_args)")
 
 
 class DataConfig(Section):
@@ -132,6 +134,7 @@ class ServeConfig(Section):
     concurrency: list[int] = Field([1, 8, 64], description="concurrencies measured (tokens/s, baseline vs EAGLE3)")
     server_args: list[str] = Field([], description="extra sglang.launch_server arguments, e.g. --attention-backend=triton")
     timeout_s: float = Field(900, gt=0, description="seconds to wait for each server to become ready")
+    extra_steps: list[int] = Field([], description="deeper EAGLE3 chains also measured (one server each), e.g. [5]")
 
 
 class LaunchConfig(Section):

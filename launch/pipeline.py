@@ -10,12 +10,14 @@ data (tokenize, loss masks, draft vocab), extract (torchrun), train (deepspeed),
 export (RUN_DIR/drafter from the best checkpoint, and RUN_DIR/drafter-untrained: the same shape untrained, the
 baseline), evaluate (offline acceptance and the reference speculative decoder on held-out prompts, both
 drafters), and, when asked for (`--stages ...,smoke`, GPU machines), smoke: SGLang serving the drafter
-(serve.smoke, configured by the `serve` section).
+(serve.smoke, configured by the `serve` section). With data.regenerate.launch_server the regenerate stage
+serves the target itself with `sglang.launch_server` (GPU machines) and stops it afterwards.
 Writes RUN_DIR/report.json; the records are in RUN_DIR/pipeline/.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shlex
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 from data.config import ConfigError, EyrieConfig, load_config
 from data.prepare import samples_dir
@@ -144,13 +147,37 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
     if stage == "smoke":
         sv = cfg.serve
         return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run / "drafter"),
-                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", str(DECODE_STEPS),
+                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", ",".join(map(str, [DECODE_STEPS, *sv.extra_steps])),
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
                  *[f"--server-arg={a}" for a in sv.server_args]]]
     if stage == "regenerate":
         return [[sys.executable, "-m", "data.regenerate", "--config", config, *overrides]] \
             if cfg.data.regenerate.enabled else []
     return [[sys.executable, "-m", stage, "--config", config, *overrides]]
+
+
+@contextlib.contextmanager
+def served_target(cfg: EyrieConfig):
+    """With data.regenerate.launch_server: `sglang.launch_server` with the target on the port of
+    data.regenerate.endpoint (local only) for the regenerate stage, stopped after it (serve/ owns the launch)."""
+    regen = cfg.data.regenerate
+    if not (regen.enabled and regen.launch_server):
+        yield
+        return
+    from serve.smoke import Server
+    url = urlparse(regen.endpoint)
+    if regen.backend != "openai" or url.hostname not in ("127.0.0.1", "localhost") or not url.port:
+        raise ConfigError(f"data.regenerate.launch_server needs backend openai and a local endpoint with a port "
+                          f"(http://127.0.0.1:PORT/v1), not {regen.backend} {regen.endpoint}")
+    log = Path(cfg.run_dir) / "pipeline" / "regenerate-server.log"
+    server = Server(["--model-path", cfg.target.path, "--tp", str(cfg.serve.tp), *cfg.serve.server_args], url.port,
+                    log, cfg.serve.timeout_s)
+    print(f"[pipeline] regenerate: {shlex.join(server.cmd)} (log {log})", flush=True)
+    try:
+        print(f"[pipeline] regenerate: server ready after {server.wait_ready():.0f} s", flush=True)
+        yield
+    finally:
+        server.stop()
 
 
 def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
@@ -207,8 +234,10 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = set(stages) - set(STAGES)
         if unknown:
             raise ConfigError(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
-        if "smoke" in stages and shutil.which("nvidia-smi") is None:
-            raise ConfigError("the smoke stage starts SGLang servers: run it on a GPU machine with sglang installed")
+        if ("smoke" in stages or "regenerate" in stages and cfg.data.regenerate.launch_server) \
+                and shutil.which("nvidia-smi") is None:
+            raise ConfigError("the smoke stage and data.regenerate.launch_server start SGLang servers: run them on "
+                              "a GPU machine with sglang installed")
         commands = {s: stage_commands(cfg, s, args.config, overrides) for s in stages}
     except ConfigError as e:
         p.exit(2, f"error: {e}\n")
@@ -229,9 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
             moved = _move_aside(run_dir / "train")
             print(f"[pipeline] train: {run_dir / 'train'} was trained on other inputs; moved to {moved}", flush=True)
         start = time.time()
-        for cmd in commands[stage]:
-            print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
-            subprocess.run(cmd, check=True)
+        with served_target(cfg) if stage == "regenerate" else contextlib.nullcontext():
+            for cmd in commands[stage]:
+                print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
+                subprocess.run(cmd, check=True)
         report["stage_seconds"][stage] = round(time.time() - start, 2)
         atomic_write_json(_record(cfg, stage), {"fingerprint": prints[stage], "commands": commands[stage],
                                                 "seconds": report["stage_seconds"][stage],

@@ -1,7 +1,7 @@
 """The SGLang serving smoke test: the target served plain, then with the drafter, on the same prompts.
 
     python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
-                          [--out DIR] [--concurrency 1,8,64] [--steps 3] [--server-arg=--attention-backend=triton ...]
+                          [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--server-arg=--attention-backend=triton ...]
 
 Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
 --speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
@@ -11,7 +11,8 @@ mode otherwise), waits for readiness with a timeout (large targets take minutes)
 temperature 0 and reports output parity with the baseline, the accept length from `meta_info`
 (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s single-stream and
 at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the port and the
-GPU memory are checked released. Server logs and report.json go to --out.
+GPU memory are checked released. Server logs and report.json go to --out. `--steps 3,5` starts one EAGLE3
+server per chain length (report keys `eagle3` for the first, `eagle3_steps5` for the others).
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -161,12 +162,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64, help="64: what the reference decoder uses")
     p.add_argument("--concurrency", default="1,8,64")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", default="3", help="chain lengths, comma-separated; the first is compared with the run")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
     p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeat)")
     p.add_argument("--out", default="smoke")
     a = p.parse_args(argv)
+    steps = [int(n) for n in a.steps.split(",")]
     from transformers import AutoTokenizer
 
     from .decode import read_prompts
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(a.target)
     if a.run:
         from .evaluate import held_out_prompts
-        reference_decoding(a.run, a.drafter, a.steps)  # fail now, not after minutes of server start-up
+        reference_decoding(a.run, a.drafter, steps[0])  # fail now, not after minutes of server start-up
         convs = held_out_prompts(a.run, a.limit)
     elif a.prompts:
         convs = read_prompts(a.prompts)
@@ -189,14 +191,17 @@ def main(argv: list[str] | None = None) -> dict:
     mla = "kv_lora_rank" in (target_config.get("text_config") or target_config)
     common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(concurrency) * 2),
               *a.server_arg]
-    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,
-             "--speculative-num-steps", str(a.steps), "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", str(a.steps + 1)]
-    if mla:  # the Llama drafter cannot use the target's MLA attention backend
-        eagle += ["--speculative-draft-attention-backend", "triton"]
-    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps, "prompts": len(prompts),
+
+    def eagle(n: int) -> list[str]:
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,
+                "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(n + 1)] + \
+            (["--speculative-draft-attention-backend", "triton"] if mla else [])  # the Llama drafter: not MLA's
+    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": steps, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": _gpu_memory_used_mib()}
-    for name, args in (("baseline", common), ("eagle3", common + eagle)):
+    servers = [("baseline", common)] + [("eagle3" if i == 0 else f"eagle3_steps{n}", common + eagle(n))
+                                        for i, n in enumerate(steps)]
+    for name, args in servers:
         server = Server(args, a.port, out / f"server-{name}.log", a.timeout)
         try:
             report[f"{name}_ready_s"] = server.wait_ready()
@@ -207,15 +212,23 @@ def main(argv: list[str] | None = None) -> dict:
     base, spec = report["baseline"], report["eagle3"]
     report["parity"] = sum(x == y for x, y in zip(base["texts"], spec["texts"])) / len(prompts)
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
+    for n in steps[1:]:
+        deeper = report[f"eagle3_steps{n}"]
+        deeper |= {"parity": sum(x == y for x, y in zip(base["texts"], deeper["texts"])) / len(prompts),
+                   "verdict": verdict(base["tokens_per_s"], deeper["tokens_per_s"])}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
     if a.run:
-        report["reference"] = compare_with_run(a.run, a.drafter, a.steps, spec)
+        report["reference"] = compare_with_run(a.run, a.drafter, steps[0], spec)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(f"parity with baseline: {report['parity']:.0%}; accept length {spec['accept_length']} "
           f"(spec_accept_length mean {spec['spec_accept_length_mean']})")
     for c in concurrency:
         print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
               f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
+    for n in steps[1:]:
+        deeper = report[f"eagle3_steps{n}"]
+        print(f"{n} steps: accept length {deeper['accept_length']}, parity {deeper['parity']:.0%}, "
+              + ", ".join(f"c={c} {deeper['tokens_per_s'][c] / base['tokens_per_s'][c]:.2f}x" for c in concurrency))
     for name, r in report.get("reference", {}).get("accept_length", {}).items():
         print(f"{name:>28}: accept length {r['value']:.3f} ({r['relative_to_sglang']:+.1%} vs SGLang)")
     if "reference" in report:

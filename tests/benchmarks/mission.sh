@@ -1,0 +1,59 @@
+#!/bin/bash
+# The mission-scale run (launch/configs/mission.yaml) on the GPU machine, as up to three consecutive device
+# commands on one machine (10 minutes each). Every command runs this same script: it resumes from what the warm
+# machine holds (launch/mission_target.py's checkpoints, the pipeline's stage skipping, DeepSpeed's `latest`,
+# extraction's sealed shards, regeneration's output file), stops cleanly before its time is up, and copies the
+# small results (reports, TensorBoard events, the drafter's config, logs) to $OUT/mission.
+#
+#   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
+#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 6)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source .whl/gpu-env.sh
+source .sgl/sglang-env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUDGET=${MISSION_SECONDS:-570}
+RUN=runs/mission
+ASSETS=$RUN/assets
+OUT_DIR=${OUT:-/tmp/mission-out}/mission
+left() { echo $((BUDGET - SECONDS)); }
+log() { echo "[mission $(date +%T) +${SECONDS}s] $*"; }
+
+collect() {
+  mkdir -p "$OUT_DIR"
+  cp -f $RUN/report.json $RUN/smoke/report.json "$OUT_DIR/" 2>/dev/null
+  cp -f $ASSETS/target/training*.json $ASSETS/target/config.json "$OUT_DIR/" 2>/dev/null
+  cp -f $RUN/drafter/config.json "$OUT_DIR/drafter-config.json" 2>/dev/null
+  cp -rf $RUN/pipeline $RUN/evaluate "$OUT_DIR/" 2>/dev/null
+  cp -f $RUN/smoke/*.log "$OUT_DIR/" 2>/dev/null
+  [ -d $RUN/tensorboard ] && cp -rf $RUN/tensorboard "$OUT_DIR/"
+  cp -f $RUN/data/*.report.json "$OUT_DIR/" 2>/dev/null
+  du -sh $RUN/features 2>/dev/null; df -h . | tail -1
+  log "results in $OUT_DIR"
+}
+trap collect EXIT
+
+# a previous command cut off mid-stage may have left servers or ranks behind
+pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"; sleep 1
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+
+if [ ! -f $ASSETS/target/training.json ]; then
+  log "target: training (resumes from its last save)"
+  timeout -s INT $(($(left) - 30)) python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-6}" \
+    || log "target: stopped (exit $?)"
+  [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
+fi
+
+STAGES=regenerate,data,extract,train,export,evaluate
+log "pipeline: $STAGES"
+timeout -s INT $(($(left) - 20)) python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
+  || { log "pipeline: stopped (exit $?); run this script again to resume"; exit 0; }
+
+# the smoke test starts three servers and cannot resume halfway: start it only with room to finish
+if [ "$(left)" -lt 400 ]; then
+  log "smoke: $(left) s left, too few to start three servers; run this script again"; exit 0
+fi
+log "pipeline: smoke"
+timeout -s INT $(($(left) - 15)) python3 -m launch.pipeline --config launch/configs/mission.yaml --stages smoke \
+  || log "smoke: stopped (exit $?)"
