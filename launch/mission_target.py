@@ -7,7 +7,7 @@ standard library's own functions), until its greedy answers follow them. It also
 drafter's data is made from: other instances of the same tasks (the target answers them itself in the
 pipeline's regenerate stage).
 
-    python -m launch.mission_target --out runs/mission/assets [--minutes 6] [--size 110m|tiny] [--prompts 12000]
+    python -m launch.mission_target --out runs/mission/assets [--minutes 7] [--steps 1500] [--size 110m|tiny]
 
 Training stops at --minutes of wall time or --steps, whichever comes first, saves every --save-minutes and
 resumes from the last save when run again (model and AdamW state in safetensors, the step in JSON), so a
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--size", choices=sorted(SIZES), default="110m")
-    p.add_argument("--minutes", type=float, default=6.0, help="wall-time budget of this invocation's training")
-    p.add_argument("--steps", type=int, default=6000, help="training steps in all (the LR schedule's length)")
+    p.add_argument("--minutes", type=float, default=7.0, help="wall-time cap of this invocation's training")
+    p.add_argument("--steps", type=int, default=1500, help="training steps in all (the LR schedule's length; 98M tokens)")
     p.add_argument("--save-minutes", type=float, default=1.5)
     p.add_argument("--stop-at", type=int, default=None, help="end this invocation at this step, as if its time ran out")
     p.add_argument("--batch", type=int, default=64)

@@ -6,7 +6,7 @@
 # small results (reports, TensorBoard events, the drafter's config, logs) to $OUT/mission.
 #
 #   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
-#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 6)
+#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source .whl/gpu-env.sh
@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 if [ ! -f $ASSETS/target/training.json ]; then
   log "target: training (resumes from its last save)"
-  timeout -s INT $(($(left) - 30)) python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-6}" \
+  timeout -s INT $(($(left) - 30)) python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-7}" \
     || log "target: stopped (exit $?)"
   [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
 fi
