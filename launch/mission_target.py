@@ -13,7 +13,7 @@ Training stops at --minutes of wall time or --steps, whichever comes first, save
 resumes from the last save when run again (model and AdamW state in safetensors, the step in JSON), so a
 run cut short by a command's time limit continues where it stopped. Writes OUT/target (a transformers
 directory: config, safetensors, tokenizer, chat template), OUT/conversations.jsonl and OUT/target/training.json
-(losses, tokens/s, MFU, greedy samples).
+(losses, tokens/s, model TFLOP/s, greedy samples).
 """
 from __future__ import annotations
 
