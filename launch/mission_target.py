@@ -21,6 +21,7 @@ import argparse
 import inspect
 import json
 import random
+import signal
 import sysconfig
 import time
 from pathlib import Path
@@ -175,8 +176,11 @@ def train(model, stream: np.ndarray, size: dict, out: Path, minutes: float, max_
     t_start, t_save, tokens0 = time.time(), time.time(), state["tokens"]
     from tqdm import tqdm
     bar = tqdm(desc="train mission target", initial=state["step"], total=max_steps, unit="step")
-    loss = None
-    while state["step"] < min(max_steps, stop_at or max_steps) and time.time() - t_start < minutes * 60:
+    loss, interrupted = None, []
+    # SIGINT (a command's time running out: mission.sh's `timeout -s INT`) ends the loop between steps, saved
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    while state["step"] < min(max_steps, stop_at or max_steps) and time.time() - t_start < minutes * 60 \
+            and not interrupted:
         step = state["step"]
         # linear warmup, then cosine to 10% over max_steps
         progress = min(1.0, step / max_steps)
@@ -203,6 +207,7 @@ def train(model, stream: np.ndarray, size: dict, out: Path, minutes: float, max_
             t_save = time.time()
             _save_state(ckpt, model, opt, state)
     bar.close()
+    signal.signal(signal.SIGINT, previous)
     if loss is not None and state["losses"][-1][0] != state["step"]:
         state["losses"].append([state["step"], round(loss.item(), 4)])
     elapsed = time.time() - t_start

@@ -33,3 +33,24 @@ def test_launch_server_is_refused_without_a_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         pipeline.main(["--config", "launch/configs/mission.yaml", "--stages", "regenerate"])
     assert e.value.code == 2 and "launch_server start SGLang servers" in capsys.readouterr().err
+
+
+def test_sigint_ends_training_between_steps_and_saves(tmp_path):
+    """mission.sh ends a command's share of the target training with SIGINT: the step reached is saved and
+    the next invocation starts from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.mission_target", "--out", str(out), "--steps", "100000",
+                             *ARGS], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while "train mission target" not in (proc.stderr.readline() or "") and time.time() < deadline:
+        pass
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    saved = json.loads((out / "checkpoint" / "state.json").read_text())
+    partial = json.loads((out / "target" / "training-partial.json").read_text())
+    assert 0 < saved["step"] == partial["step"] < 100000 and not partial["finished"]
