@@ -146,8 +146,9 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                  "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
     if stage == "smoke":
         sv = cfg.serve
+        steps = ",".join(map(str, [DECODE_STEPS, *sv.extra_steps]))
         return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run / "drafter"),
-                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", ",".join(map(str, [DECODE_STEPS, *sv.extra_steps])),
+                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", steps,
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
                  *[f"--server-arg={a}" for a in sv.server_args]]]
     if stage == "regenerate":

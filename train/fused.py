@@ -1,4 +1,4 @@
-"""Memory-light autograd functions for the two largest activations of a TTT step.
+"""Memory-light autograd functions for the largest activations of a TTT step: the loss, SwiGLU, RMSNorm.
 
 Autograd's default graph for `-(p · log_softmax(logits.float())).sum(-1)` keeps, per TTT step, the fp32 logits,
 their fp32 log-softmax and an fp32 copy of the teacher's distribution: ~14 bytes per draft-vocab entry per
