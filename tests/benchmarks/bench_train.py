@@ -5,9 +5,9 @@
         --peers eyrie,specforge [--loader-samples 64] [--json out.json]
 
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
-the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`. specforge (0.2.0, when importable; put its wheel in the carried `.whl/` with `pip download specforge==0.2.0
---no-deps -d .whl`, and gpu-env.sh installs it):
-`OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
+the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`. specforge (0.2.0, when importable;
+`pip download specforge==0.2.0 --no-deps -d .whl` puts its wheel in the carried `.whl/`, gpu-env.sh installs
+it): `OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
 `TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`. Same random inputs: one sequence of T tokens, all
 in the loss, TTT 7, decay 0.8. Peak memory = torch's max allocated over the timed steps, weights and optimizer
 state included.
