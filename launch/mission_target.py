@@ -163,8 +163,8 @@ def train(model, stream: np.ndarray, size: dict, out: Path, minutes: float, max_
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
     fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **({"fused": True}
-                                                                                              if fused else {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            **({"fused": True} if fused else {}))
     ckpt = out / "checkpoint"
     state = _load_state(ckpt, model, opt) or {"step": 0, "tokens": 0, "losses": [], "seconds": 0.0}
     seq, n_params = size["seq"], sum(p.numel() for p in model.parameters())
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", required=True)
     p.add_argument("--size", choices=sorted(SIZES), default="110m")
     p.add_argument("--minutes", type=float, default=7.0, help="wall-time cap of this invocation's training")
-    p.add_argument("--steps", type=int, default=1500, help="training steps in all (the LR schedule's length; 98M tokens)")
+    p.add_argument("--steps", type=int, default=1500,
+                   help="training steps in all (the LR schedule's length; 98M tokens)")
     p.add_argument("--save-minutes", type=float, default=1.5)
     p.add_argument("--stop-at", type=int, default=None, help="end this invocation at this step, as if its time ran out")
     p.add_argument("--batch", type=int, default=64)
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "dialogues": len(dialogues), "prompts_file": str(prompts), "greedy_samples": samples,
                     "finished": state["step"] >= a.steps}
     atomic_write_json(target / ("training.json" if info["finished"] else "training-partial.json"), info)
-    print(f"[mission_target] step {state['step']}/{a.steps}, loss {state['losses'][-1][1] if state['losses'] else '?'}, "
+    last_loss = state["losses"][-1][1] if state["losses"] else "?"
+    print(f"[mission_target] step {state['step']}/{a.steps}, loss {last_loss}, "
           f"{state['tokens_per_s_this_run']:,} tokens/s; samples: {json.dumps(samples)[:600]}")
     return info
 

@@ -210,11 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
             report[f"{name}_stopped"] = server.stop()
         report[f"{name}_command"] = " ".join(server.cmd)
     base, spec = report["baseline"], report["eagle3"]
-    report["parity"] = sum(x == y for x, y in zip(base["texts"], spec["texts"])) / len(prompts)
+
+    def parity(run: dict) -> float:  # share of prompts whose output equals the baseline's
+        return sum(x == y for x, y in zip(base["texts"], run["texts"])) / len(prompts)
+    report["parity"] = parity(spec)
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
     for n in steps[1:]:
         deeper = report[f"eagle3_steps{n}"]
-        deeper |= {"parity": sum(x == y for x, y in zip(base["texts"], deeper["texts"])) / len(prompts),
+        deeper |= {"parity": parity(deeper),
                    "verdict": verdict(base["tokens_per_s"], deeper["tokens_per_s"])}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
     if a.run:

@@ -16,8 +16,9 @@ Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
 the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
 
---loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard writer and streams them through
-the trainer's loader (FeatureData.stream: collate + pin on a thread) while eyrie steps: read GB/s and stall.
+--loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
+writer and streams them through the trainer's loader (FeatureData.stream: collate + pin on a thread) while
+eyrie steps: read GB/s and stall.
 """
 import argparse
 import gc
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench_extract import matmul_tflops  # noqa: E402  (this script's folder is on sys.path)
 
 SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, intermediate; draft vocab
     "llama3-8b": dict(Ht=4096, Vt=128256, H=4096, nh=32, kvh=8, hd=128, I=14336, Vd=32000),
@@ -40,18 +42,6 @@ SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, 
     "kimi-k2.5-kv8": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=8, hd=128, I=18432, Vd=32000),
 }
 STEPS, DECAY = 7, 0.8
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t) / 1e12
 
 
 def useful_flops(s: dict, T: int) -> float:
