@@ -55,6 +55,11 @@ def setup_distributed() -> torch.device:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce (a minute of C++ on a small machine) and
+        # never unlinks its 64 MiB /dev/shm buffer per rank: every CPU run, killed or not, leaked RAM until the
+        # tmpfs filled. CPU runs are tests and demos; gloo's allreduce is enough for them.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     if dist.get_rank() != 0:  # clean logs: other ranks speak only through errors
         deepspeed.utils.logger.setLevel("WARNING")

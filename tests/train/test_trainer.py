@@ -1,6 +1,8 @@
 """`deepspeed --num_gpus 2 train/main.py` for real (gloo on CPU): ZeRO-2 and ZeRO-3, TensorBoard, checkpoints,
 eval. Killed and disk-full runs that resume onto the same loss curve: tests/reliability/."""
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,9 @@ def test_two_ranks_train(stage, zero2_run, zero3_run):
         reference = losses(zero2_run[0])
         assert all(abs(curve[s] - reference[s]) < 1e-3 for s in curve), (curve, reference)
     assert "2 ranks" in out and out.count("resolved config:") == 1  # rank 0 alone prints
+    # no shared-memory allreduce on CPU: DeepSpeed's leaks a /dev/shm buffer per rank per run
+    port = re.search(r"--master_port[= ](\d+)", out).group(1)
+    assert "shm_comm" not in out and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(run / "tensorboard" / "train"))
