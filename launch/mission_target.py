@@ -18,7 +18,6 @@ directory: config, safetensors, tokenizer, chat template), OUT/conversations.jso
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
 import signal
@@ -41,7 +40,7 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate, vocab, sequence leng
 SYSTEM = "You are a precise assistant."
 
 
-def stdlib_functions(limit: int | None = None) -> list[tuple[str, str, str]]:
+def stdlib_functions() -> list[tuple[str, str, str]]:
     """(module, function name, source) for top-level functions of the standard library with a docstring."""
     import ast
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -59,8 +58,6 @@ def stdlib_functions(limit: int | None = None) -> list[tuple[str, str, str]]:
                 source = ast.get_source_segment(text, node)
                 if source and len(source) < 2000:
                     out.append((path.stem, node.name, source))
-        if limit and len(out) >= limit:
-            break
     return out
 
 
@@ -162,9 +159,7 @@ def train(model, stream: np.ndarray, size: dict, out: Path, minutes: float, max_
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
-    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            **({"fused": True} if fused else {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     ckpt = out / "checkpoint"
     state = _load_state(ckpt, model, opt) or {"step": 0, "tokens": 0, "losses": [], "seconds": 0.0}
     seq, n_params = size["seq"], sum(p.numel() for p in model.parameters())
