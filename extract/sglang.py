@@ -16,7 +16,9 @@ machine: none was lent).
 """
 from __future__ import annotations
 
+import os
 from array import array
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -63,6 +65,21 @@ def check_head_dim(target_path: str, trust_remote_code: bool) -> None:
                          "kernels need at least 16 (tl.dot: K >= 16); use extract.backend hf")
 
 
+@contextmanager
+def own_rendezvous():
+    """SGLang's ModelRunner builds its process group with `init_method="tcp://127.0.0.1:PORT"`. Under torchrun
+    (TORCHELASTIC_USE_AGENT_STORE=True) torch makes every rank a client of a store it assumes the launcher hosts
+    on that port; nothing listens there, so the runner retries for SGLang's 10-minute timeout (seen on the GPU
+    machine: the pipeline's extract stage hung). With the flag hidden while the runner starts, the group's rank
+    0 hosts its own store, as it does outside torchrun."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
 class _NoPrefixCache(SimpleNamespace):
     """What ScheduleBatch needs of a tree cache when nothing is cached (as in sglang.bench_one_batch)."""
 
@@ -107,10 +124,11 @@ class SGLangBackend:
         initialize_fp8_gemm_config(args)
         # one runner per process; a tensor-parallel group's ranks meet on the port they were given (tp 1: its own
         # one-rank group on a free port). Every rank gets the full aux and final states (SGLang all-reduces them).
-        self.runner = ModelRunner(model_config=ModelConfig.from_server_args(args),
-                                  mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=tp_rank,
-                                  tp_size=tp_size, moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
-                                  nccl_port=nccl_port or PortArgs.init_new(args).nccl_port, server_args=args)
+        with own_rendezvous():
+            self.runner = ModelRunner(model_config=ModelConfig.from_server_args(args),
+                                      mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=tp_rank,
+                                      tp_size=tp_size, moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
+                                      nccl_port=nccl_port or PortArgs.init_new(args).nccl_port, server_args=args)
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()  # with graphs disabled this sets up the eager runner forward() uses

@@ -41,14 +41,14 @@ nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 if [ ! -f $ASSETS/target/training.json ]; then
   log "target: training (resumes from its last save)"
-  timeout -s INT "$(within 30)" python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-7}" \
+  timeout -k 20 -s INT "$(within 30)" python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-7}" \
     || log "target: stopped (exit $?)"
   [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
 fi
 
 STAGES=regenerate,data,extract,train,export,evaluate
 log "pipeline: $STAGES"
-timeout -s INT "$(within 20)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
+timeout -k 20 -s INT "$(within 20)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
   || { log "pipeline: stopped (exit $?); run this script again to resume"; exit 0; }
 
 # the smoke test starts three servers and cannot resume halfway: start it only with room to finish
@@ -56,5 +56,5 @@ if [ "$(left)" -lt 400 ]; then
   log "smoke: $(left) s left, too few to start three servers; run this script again"; exit 0
 fi
 log "pipeline: smoke"
-timeout -s INT "$(within 15)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages smoke \
+timeout -k 20 -s INT "$(within 15)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages smoke \
   || log "smoke: stopped (exit $?)"

@@ -34,9 +34,12 @@ def test_sglang_features_match_hf_features(make_tokenizer, tmp_path):
     for backend in ("hf", "sglang"):
         run = tmp_path / backend
         args = [*base, "--run_dir", str(run), "--extract.backend", backend, "--extract.dtype", "bfloat16"]
-        for module in ("data", "extract"):
-            out = subprocess.run([sys.executable, "-m", module, "--config", str(ROOT / "launch/configs/demo.yaml"),
-                                  "--data.regenerate.enabled", "false", *args], cwd=ROOT, capture_output=True, text=True)
+        # extraction under torchrun, as the pipeline runs it (SGLang's own process group must form inside it)
+        for module in (["-m", "data"], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                                        "-m", "extract"]):
+            out = subprocess.run([sys.executable, *module, "--config", str(ROOT / "launch/configs/demo.yaml"),
+                                  "--data.regenerate.enabled", "false", *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=600)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs[backend] = run / "features"
     manifest = json.loads((runs["sglang"] / "manifest.json").read_text())
