@@ -126,13 +126,14 @@ def regenerate_conversation(conv: Conversation, generate: Generator, keep_reason
     return Conversation(conv.id, history), truncated
 
 
-def regenerate(conversations: list[Conversation], generate: Generator, out_path: str | Path,
-               cfg: RegenerateConfig, concurrency: int | None = None) -> dict:
-    """Regenerate into `out_path` (JSONL), resuming from what it already holds; returns the report."""
-    out_path = Path(out_path)
-    partial = out_path.with_name(out_path.name + ".partial")
+def _partial_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".partial")
+
+
+def finished_rows(out_path: Path) -> dict[str, dict]:
+    """What earlier runs regenerated, by conversation id: the finished file and a killed run's partial one."""
     done: dict[str, dict] = {}
-    for path in (out_path, partial):  # resume: both the finished file and a killed run's partial one
+    for path in (out_path, _partial_path(out_path)):
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -140,6 +141,15 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill; that conversation is simply redone
                 done[row["id"]] = row
+    return done
+
+
+def regenerate(conversations: list[Conversation], generate: Generator, out_path: str | Path,
+               cfg: RegenerateConfig, concurrency: int | None = None) -> dict:
+    """Regenerate into `out_path` (JSONL), resuming from what it already holds; returns the report."""
+    out_path = Path(out_path)
+    partial = _partial_path(out_path)
+    done = finished_rows(out_path)
     report = {"input": len(conversations), "succeeded": 0, "resumed": 0, "errors": 0, "skipped": 0,
               "truncated_replies": 0, "error_examples": [], "skipped_reasons": {}}
     todo = []
@@ -193,6 +203,13 @@ def report_path(out_path: str | Path) -> Path:
 def regenerated_path(cfg: EyrieConfig) -> Path:
     from .prepare import data_dir
     return data_dir(cfg) / "regenerated.jsonl"
+
+
+def pending(cfg: EyrieConfig) -> int:
+    """How many conversations the regenerate stage still has to answer; 0 needs no model and no server."""
+    done = finished_rows(regenerated_path(cfg))
+    convs = load_conversations(cfg.data.inputs, SkipReport(), cfg.data.skip_malformed)
+    return sum(c.id not in done and {m["role"] for m in c.messages} <= REGENERATABLE_ROLES for c in convs)
 
 
 def run(cfg: EyrieConfig) -> dict:

@@ -165,11 +165,16 @@ def served_target(cfg: EyrieConfig):
     if not (regen.enabled and regen.launch_server):
         yield
         return
-    from serve.smoke import Server
     url = urlparse(regen.endpoint)
     if regen.backend != "openai" or url.hostname not in ("127.0.0.1", "localhost") or not url.port:
         raise ConfigError(f"data.regenerate.launch_server needs backend openai and a local endpoint with a port "
                           f"(http://127.0.0.1:PORT/v1), not {regen.backend} {regen.endpoint}")
+    from data.regenerate import pending
+    if pending(cfg) == 0:  # a killed run's partial file already answers every prompt
+        print("[pipeline] regenerate: every conversation already answered; no server started", flush=True)
+        yield
+        return
+    from serve.smoke import Server
     log = Path(cfg.run_dir) / "pipeline" / "regenerate-server.log"
     server = Server(["--model-path", cfg.target.path, "--tp", str(cfg.serve.tp), *cfg.serve.server_args], url.port,
                     log, cfg.serve.timeout_s)

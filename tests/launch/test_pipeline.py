@@ -142,6 +142,29 @@ def test_smoke_stage_command_serves_the_run_drafter_with_the_decoders_chain():
     assert smoke[-1] == "--server-arg=--attention-backend=triton"
 
 
+def test_no_target_server_starts_when_every_prompt_is_already_answered(tmp_path, capsys):
+    """A regenerate stage killed after its last answer (the partial file complete, no record) reruns without
+    the 1-2 minute SGLang start."""
+    from data.regenerate import pending, regenerated_path
+    from launch.pipeline import served_target
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(3)]
+    convs = tmp_path / "c.jsonl"
+    convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config_with(run_dir=str(tmp_path / "run"),
+                      data={"inputs": [str(convs)], "regenerate": {"enabled": True, "launch_server": True}})
+    assert pending(cfg) == 3
+    partial = regenerated_path(cfg).with_name("regenerated.jsonl.partial")
+    partial.parent.mkdir(parents=True)
+    partial.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]) + "\n" + '{"id": "c2", "mess')  # cut by a kill
+    assert pending(cfg) == 1
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert pending(cfg) == 0
+    with served_target(cfg):  # on this CPU machine a server start would fail
+        pass
+    assert "every conversation already answered; no server started" in capsys.readouterr().out
+
+
 def test_regenerate_is_its_own_stage_when_enabled():
     from launch.pipeline import DEFAULT_STAGES, UPSTREAM, stage_commands
     assert DEFAULT_STAGES[:2] == ("regenerate", "data") and UPSTREAM["data"] == "regenerate"
