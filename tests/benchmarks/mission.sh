@@ -36,7 +36,8 @@ collect() {
 trap collect EXIT
 
 # a previous command cut off mid-stage may have left servers or ranks behind
-pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"; sleep 1
+pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"
+pkill -f -- "-m extract --config"; pkill -f -- "-m data.regenerate"; sleep 1  # torchrun's orphaned workers
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 if [ ! -f $ASSETS/target/training.json ]; then
