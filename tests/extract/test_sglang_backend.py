@@ -1,4 +1,5 @@
 """The sglang extraction backend's CPU-checkable parts; the backend itself runs in tests/gpu/."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -65,35 +66,31 @@ def test_tensor_parallel_groups_are_consecutive_ranks_on_one_node():
 
 
 RENDEZVOUS = """
-import socket, sys
-from datetime import timedelta
-import torch.distributed as dist
+import contextlib, socket, sys
 from extract.sglang import own_rendezvous
+from sglang.srt.distributed.parallel_state import init_distributed_environment
 with socket.socket() as s:  # a free port, as SGLang's PortArgs picks one
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-def init():  # the call SGLang's ModelRunner makes for its own one-rank group
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=5))
-if sys.argv[1] == "wrapped":
-    with own_rendezvous():
-        init()
-else:
-    init()
-dist.destroy_process_group()
+with own_rendezvous() if sys.argv[1] == "wrapped" else contextlib.nullcontext():
+    # what SGLang's ModelRunner calls for its own one-rank group (gloo here: no GPU)
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo", timeout=5)
 print("group ready")
 """
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="not run: needs sglang installed (SGLang's own process-group setup, on CPU)")
 @pytest.mark.parametrize("mode", ["bare", "wrapped"])
 def test_runner_group_forms_under_torchrun(mode, tmp_path):
-    """Under torchrun a tcp:// rendezvous is a client of a store nobody hosts; own_rendezvous lets it host one."""
+    """Under torchrun SGLang's tcp:// rendezvous is a client of a store nobody hosts; own_rendezvous lets it host one."""
     script = tmp_path / "rendezvous.py"
     script.write_text(RENDEZVOUS)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                           str(script), mode], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."})
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": "."})
     if mode == "wrapped":
         assert out.returncode == 0 and "group ready" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     else:  # the failure the GPU machine hit (there for SGLang's 10 minutes), shortened to 5 s
         assert out.returncode != 0 and "group ready" not in out.stdout
-        assert "TCP client failed to connect" in out.stderr or "timed out" in out.stderr.lower(), out.stderr[-2000:]
+        assert "TCP client failed to connect" in out.stderr, out.stderr[-2000:]
