@@ -126,6 +126,11 @@ def regenerate_conversation(conv: Conversation, generate: Generator, keep_reason
     return Conversation(conv.id, history), truncated
 
 
+def unsupported_roles(conv: Conversation) -> set[str]:
+    """Roles a conversation has that regeneration cannot replay (it is skipped and counted)."""
+    return {m["role"] for m in conv.messages} - REGENERATABLE_ROLES
+
+
 def _partial_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".partial")
 
@@ -154,9 +159,9 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
               "truncated_replies": 0, "error_examples": [], "skipped_reasons": {}}
     todo = []
     for conv in conversations:
-        roles = {m["role"] for m in conv.messages}
-        if not roles <= REGENERATABLE_ROLES:
-            reason = "unsupported_role:" + ",".join(sorted(roles - REGENERATABLE_ROLES))
+        unsupported = unsupported_roles(conv)
+        if unsupported:
+            reason = "unsupported_role:" + ",".join(sorted(unsupported))
             report["skipped"] += 1
             report["skipped_reasons"][reason] = report["skipped_reasons"].get(reason, 0) + 1
         elif conv.id in done:
@@ -209,7 +214,7 @@ def pending(cfg: EyrieConfig) -> int:
     """How many conversations the regenerate stage still has to answer; 0 needs no model and no server."""
     done = finished_rows(regenerated_path(cfg))
     convs = load_conversations(cfg.data.inputs, SkipReport(), cfg.data.skip_malformed)
-    return sum(c.id not in done and {m["role"] for m in c.messages} <= REGENERATABLE_ROLES for c in convs)
+    return sum(c.id not in done and not unsupported_roles(c) for c in convs)
 
 
 def run(cfg: EyrieConfig) -> dict:
