@@ -99,13 +99,15 @@ def _causal_block_mask(T: int, device: str):
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "inductor"):
     from torch.nn.attention.flex_attention import flex_attention
-    # room for every sequence length a run meets: past the limit torch.compile falls back to the unfused
+    # room for every length bucket a run meets: past the limit torch.compile falls back to the unfused
     # flex path, which materialises the T x T scores
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
-    return torch.compile(flex_attention, dynamic=False)
+    # static lengths (bucketed by flex_length, each with its block mask); the batch size is marked dynamic
+    # per call in flex_causal_attention
+    return torch.compile(flex_attention, dynamic=False, backend=backend)
 
 
 def flex_length(T: int) -> int:
@@ -120,6 +122,11 @@ def flex_causal_attention(q, k, v, scale):
     L = flex_length(T)
     if L != T:
         q, k, v = (F.pad(t, (0, 0, 0, L - T)) for t in (q, k, v))
+    # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
+    # sizes. Specialised on each, flex compiled a forward and backward kernel per (batch size, bucket), nearly
+    # every step of a real run (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
+    for t in (q, k, v):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
     out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(L, str(q.device)), scale=scale,
                                 enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
     return out[:, :, :T], lse[:, :, :T].float()

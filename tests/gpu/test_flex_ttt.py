@@ -26,9 +26,9 @@ def test_flex_matches_blockwise_with_gradients(T):
 
 
 def test_new_lengths_do_not_recompile_every_time():
-    """Batches come in many lengths: flex runs at bucketed lengths (ttt.flex_length) and the fused functions
-    are compiled for dynamic shapes, so new lengths in a bucket compile nothing new (each compile costs
-    seconds)."""
+    """Batches come in many lengths and batch sizes: flex runs at bucketed lengths (ttt.flex_length) with a
+    dynamic batch dim and the fused functions are compiled for dynamic shapes, so new shapes in a bucket
+    compile nothing new (each compile costs seconds)."""
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig
 
@@ -40,16 +40,16 @@ def test_new_lengths_do_not_recompile_every_time():
     model = model.to("cuda", torch.bfloat16)
     model.set_attention("flex")
     graphs = []
-    for T in (1100, 1300, 1700, 1900, 2048):  # one flex bucket: 2048
-        ids = torch.randint(0, 300, (1, T), device="cuda")
-        hidden, past = torch.randn(1, T, 768, device="cuda", dtype=torch.bfloat16), []
+    for B, T in ((2, 1100), (3, 1300), (5, 1700), (2, 1900), (4, 2048)):  # one flex bucket: 2048
+        ids = torch.randint(0, 300, (B, T), device="cuda")
+        hidden, past = torch.randn(B, T, 768, device="cuda", dtype=torch.bfloat16), []
         loss = 0
         for j in range(3):
-            out = model(ids, hidden, torch.arange(T, device="cuda")[None] + j, past)
+            out = model(ids, hidden, torch.arange(T, device="cuda")[None].expand(B, T) + j, past)
             hidden, past = out.hidden, past + [(out.key, out.value)]
             loss = loss + out.logits.float().pow(2).mean()
         loss.backward()
         graphs.append(counters["stats"]["unique_graphs"])
-    print("compiled graphs after each length:", graphs)
+    print("compiled graphs after each shape:", graphs)
     assert not ttt._FLEX_FAILED
     assert graphs[-1] == graphs[1], graphs

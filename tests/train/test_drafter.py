@@ -1,4 +1,5 @@
 """The drafter against an independent EAGLE-3 reference, the teacher, the loader, and a one-batch overfit."""
+import functools
 import math
 from pathlib import Path
 
@@ -156,6 +157,32 @@ def test_flex_and_blockwise_ttt_attention_agree(monkeypatch):
     torch.testing.assert_close(flex, blockwise, atol=1e-5, rtol=1e-4)
     assert [ttt.flex_length(T) for T in (24, 128, 129, 1024, 1025, 4096, 5000)] == \
         [128, 128, 256, 1024, 2048, 4096, 5120]
+
+
+def test_flex_compiles_once_per_length_bucket_whatever_the_batch_size(monkeypatch):
+    """Token-budget batches hold max_batch_tokens // T sequences, so batch sizes vary from step to step; flex
+    must not compile a kernel per size (on the H200 each compile takes seconds, and the mission run compiled
+    at nearly every step). aot_eager stands in for Inductor, which compiles no flex backward on the CPU; what
+    decides a recompile (dynamo's guards on the inputs' shapes) is the same."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(ttt, "_compiled_flex", functools.partial(ttt._compiled_flex.__wrapped__, "aot_eager"))
+    monkeypatch.setattr(ttt, "_FLEX_FAILED", [])
+    torch._dynamo.reset()
+
+    def graphs_after(B: int, T: int) -> int:
+        q, k, v = torch.randn(B, 4, T, 16), torch.randn(B, 2, T, 16), torch.randn(B, 2, T, 16)
+        with torch.no_grad():
+            out, lse = ttt.flex_causal_attention(q, k, v, 0.25)
+        assert out.shape == (B, 4, T, 16) and lse.shape == (B, 4, T)
+        return counters["stats"]["unique_graphs"]
+
+    graphs_after(3, 100), graphs_after(3, 100)  # first compile (and one for torch's once-only warnings)
+    start = counters["stats"]["unique_graphs"]
+    same_bucket = [graphs_after(B, T) - start for B, T in [(5, 120), (7, 128), (12, 90), (2, 128), (9, 65)]]
+    assert same_bucket == [0] * 5, same_bucket  # before the batch dim was marked dynamic: [1, 2, 3, 4, 5]
+    assert graphs_after(4, 200) - start == 2    # the next bucket (256) compiles its block mask and kernel...
+    assert graphs_after(6, 256) - start == 2    # ...once for every batch size
+    assert not ttt._FLEX_FAILED
 
 
 def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
