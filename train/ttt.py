@@ -123,8 +123,8 @@ def flex_causal_attention(q, k, v, scale):
     if L != T:
         q, k, v = (F.pad(t, (0, 0, 0, L - T)) for t in (q, k, v))
     # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
-    # sizes. Specialised on each, flex compiled a forward and backward kernel per (batch size, bucket), nearly
-    # every step of a real run (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
+    # sizes. Specialised on each, flex compiled a forward and backward kernel for every new (batch size,
+    # bucket) (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
     for t in (q, k, v):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(L, str(q.device)), scale=scale,
