@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import deepspeed
@@ -168,3 +169,27 @@ class Checkpoints:
         if path is None:
             raise RuntimeError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
         return json.loads((self.dir / tag / STATE_FILE).read_text())
+
+
+class StopSignal:
+    """SIGINT or SIGTERM (Ctrl-C, a time limit's `timeout -s INT`, the deepspeed launcher's SIGTERM to its ranks)
+    ends training at the next optimizer step with a checkpoint there, so a rerun resumes where it stopped
+    instead of at the last save_every. Ranks may see the signal at different steps: they agree through an
+    all-reduce on a CPU (gloo) group, which puts no GPU synchronisation into the step."""
+
+    def __init__(self):
+        self.signum = 0
+        self.group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self) -> int:
+        """A signal number when any rank got one, else 0. A collective: every rank calls it at every step."""
+        if self.group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())

@@ -27,7 +27,7 @@ from data.target import load_target_info
 from data.vocab import load_draft_vocab
 from extract.job import features_dir
 from train.drafter import Eagle3Drafter, drafter_config
-from train.engine import Checkpoints, deepspeed_config, init_engine, warm_start
+from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start
 from train.loader import FeatureData
 from train.metrics import Logger, TTTStats, score
 from train.teacher import Teacher, load_target_tensors
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                       if state["step"] else ""))
 
     stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
-    step, eval_metrics = state["step"], None
+    step, eval_metrics, stop, stopped = state["step"], None, StopSignal(), 0
     epochs_needed = math.ceil(total / steps_per_epoch) + 1
     stream = data.stream(state["epoch"], state["micro"], epochs_needed, pin=device.type == "cuda")
     for epoch, micro, batch, wait in stream:
@@ -178,16 +178,21 @@ def main(argv: list[str] | None = None) -> None:
             if eval_metrics:
                 log.log(step, eval_metrics, "eval")
                 new_best = eval_metrics["accept_length"] > best
-        if step % tc.save_every == 0 or step == total or new_best:
+        stopped = stop.agreed() if step < total else 0
+        if step % tc.save_every == 0 or step == total or new_best or stopped:
             tag = checkpoints.save(engine, step, state)
             if new_best:
                 best = eval_metrics["accept_length"]
                 checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+        if stopped:
+            log.message(f"[train] stopped by signal {stopped} at step {step}/{total}, saved {tag}; "
+                        "run again to resume from it")
+            break
         if step >= total:
             break
     stream.close()
     log.close()
-    if rank == 0:
+    if rank == 0 and not stopped:
         atomic_write_json(out / "summary.json", {
             "steps": step, "tokens": state["tokens"], "world_size": world,
             "latest": (out / "checkpoints" / "latest").read_text().strip(), "best": checkpoints.best(),
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             "config": cfg.model_dump(mode="json")})
     dist.barrier()
     dist.destroy_process_group()
+    if stopped:
+        raise SystemExit(128 + stopped)  # not finished: the pipeline must not record the stage as done
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 #!/bin/bash
 # The mission-scale run (launch/configs/mission.yaml) on the GPU machine, as up to three consecutive device
 # commands on one machine (10 minutes each). Every command runs this same script: it resumes from what the warm
-# machine holds (launch/mission_target.py's checkpoints, the pipeline's stage skipping, DeepSpeed's `latest`,
-# extraction's sealed shards, regeneration's output file), stops cleanly before its time is up, and copies the
-# small results (reports, TensorBoard events, the drafter's config, logs) to $OUT/mission.
+# machine holds (launch/mission_target.py's checkpoints, the pipeline's stage skipping, DeepSpeed's `latest` at
+# the step the time limit's SIGINT stopped training, extraction's sealed shards, regeneration's output file),
+# stops cleanly before its time is up, and copies the small results (reports, TensorBoard events, the drafter's
+# config, logs) to $OUT/mission.
 #
 #   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
 #   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7)
@@ -49,8 +50,10 @@ fi
 
 STAGES=regenerate,data,extract,train,export,evaluate
 log "pipeline: $STAGES"
-timeout -k 20 -s INT "$(within 20)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
-  || { log "pipeline: stopped (exit $?); run this script again to resume"; exit 0; }
+timeout -k 20 -s INT "$(within 30)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
+  || { log "pipeline: stopped (exit $?); run this script again to resume"
+       # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
+       for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
 
 # the smoke test starts three servers and cannot resume halfway: start it only with room to finish
 if [ "$(left)" -lt 400 ]; then

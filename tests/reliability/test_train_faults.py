@@ -1,7 +1,9 @@
-"""Training (two DeepSpeed ranks, ZeRO-2) under kill -9 at random steps and during a checkpoint save, and
-under a disk that refuses the checkpoint's writes: the resumed loss curve equals the uninterrupted one."""
+"""Training (two DeepSpeed ranks, ZeRO-2) under kill -9 at random steps and during a checkpoint save, under
+SIGINT, and under a disk that refuses the checkpoint's writes: the resumed loss curve equals the uninterrupted
+one."""
 import os
 import random
+import re
 import signal
 import time
 
@@ -91,4 +93,28 @@ def test_disk_refusing_a_checkpoint_is_a_clear_error_and_a_rerun_resumes(zero2_r
     assert not (run / "train" / "checkpoints" / "latest").exists()  # nothing half-written looks complete
     off = resume_and_compare(config, run, reference)  # space freed: the same command runs to the end
     survival("training: disk refuses a checkpoint write (EFBIG), then re-run", 1, int(off == 0), f"{off} steps")
+    assert off == 0
+
+
+def test_sigint_saves_at_the_step_it_stopped_and_the_rerun_resumes_there(zero2_run, features_run, tmp_path, survival):
+    """Ctrl-C or a time limit's `timeout -s INT` (the mission script's) reaches the launchers and both ranks:
+    the ranks agree on a step, checkpoint it and exit non-zero; nothing since the last save_every is lost."""
+    reference = losses(zero2_run[0])
+    run = tmp_path / "run"
+    config = with_run_dir(features_run, run)
+    proc = launch(config)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and last_logged_step(run) < 5:  # past step4's save
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the signal"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)  # the ranks hold the pipe open until they have saved and exited
+    assert proc.returncode != 0
+    stopped = re.search(r"stopped by signal \d+ at step (\d+)/12, saved step(\d+)", out)
+    assert stopped and stopped.group(1) == stopped.group(2), out[-3000:]
+    at = int(stopped.group(1))
+    assert 5 <= at < STEPS and (run / "train" / "checkpoints" / "latest").read_text() == f"step{at}"
+    assert not (run / "train" / "summary.json").exists()  # a stopped run is not a finished one
+    off = resume_and_compare(config, run, reference)  # resumes at step `at`, on the uninterrupted curve
+    survival("training: SIGINT (2 ranks), then re-run", 1, int(off == 0), f"{off} steps")
     assert off == 0
