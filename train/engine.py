@@ -175,7 +175,9 @@ class StopSignal:
     """SIGINT or SIGTERM (Ctrl-C, a time limit's `timeout -s INT`, the deepspeed launcher's SIGTERM to its ranks)
     ends training at the next optimizer step with a checkpoint there, so a rerun resumes where it stopped
     instead of at the last save_every. Ranks may see the signal at different steps: they agree through an
-    all-reduce on a CPU (gloo) group, which puts no GPU synchronisation into the step."""
+    all-reduce on a CPU (gloo) group, which puts no GPU synchronisation into the step. SIGTERM is caught too
+    because the launcher answers a SIGINT with it (and SIGKILL 30 s later); the cost: a rank stuck in a
+    collective with a crashed peer now leaves at that SIGKILL, not at the SIGTERM."""
 
     def __init__(self):
         self.signum = 0
