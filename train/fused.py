@@ -15,19 +15,32 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import nn
 
 CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of the loss are bounded to chunk x vocab <= 64M values (256 MB)
 
 
+CPU_COMPILE_BACKEND: str | None = None  # None: eager on the CPU; tests set "aot_eager" to count dynamo graphs
+
+
 def on_cuda_compiled(fn):
-    """fn itself for CPU tensors; torch.compile(fn, dynamic=True) for CUDA ones (compiled on first use)."""
-    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+    """fn itself for CPU tensors; torch.compile(fn, dynamic=True) for CUDA ones (compiled on first use).
+
+    Every graph dynamo makes is an Inductor compile of seconds on the GPU (forward and backward apart), so
+    the inputs must not vary in what dynamo guards: callers pass detached tensors where autograd does not
+    run through fn (requires_grad is guarded), and duck sizing is off (else two sizes equal on the first
+    call, e.g. batch size and head count, are assumed equal forever and recompile when they are not)."""
+    compiled = functools.cache(lambda backend: torch.compile(fn, dynamic=True, backend=backend))
 
     @functools.wraps(fn)
     def wrapper(x, *args):
-        return compiled()(x, *args) if x.is_cuda else fn(x, *args)
+        backend = "inductor" if x.is_cuda else CPU_COMPILE_BACKEND
+        if backend is None:
+            return fn(x, *args)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(backend)(x, *args)
     return wrapper
 
 
@@ -49,7 +62,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         V = logits.shape[-1]
-        flat, p, w = logits.reshape(-1, V), target_p.reshape(-1, V), weight.reshape(-1).float()
+        flat, p, w = logits.detach().reshape(-1, V), target_p.reshape(-1, V), weight.reshape(-1).float()
         grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
         total = flat.new_zeros((), dtype=torch.float32)
         chunk = max(1, CHUNK_ELEMENTS // V)
@@ -91,7 +104,7 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up, w = ctx.saved_tensors
-        grad_gate, grad_up, act = _swiglu_grads(grad_out @ w, gate, up)
+        grad_gate, grad_up, act = _swiglu_grads(grad_out @ w, gate.detach(), up.detach())
         grad_w = grad_out.flatten(0, -2).T @ act.flatten(0, -2) if ctx.needs_input_grad[2] else None
         return grad_gate, grad_up, grad_w
 
@@ -117,13 +130,15 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = _rms_forward(x, weight, eps)
+        y, rstd = _rms_forward(x.detach(), weight.detach(), eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_x, grad_weight = _rms_backward(grad_out, *ctx.saved_tensors)
+        x, weight, rstd = (t.detach() for t in ctx.saved_tensors)
+        # the input layernorm's gradient is a strided slice of the concatenation's: strides are guarded too
+        grad_x, grad_weight = _rms_backward(grad_out.contiguous(), x, weight, rstd)
         return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
 
 
@@ -138,7 +153,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
-        return _rms_forward(x, self.weight, self.variance_epsilon)[0]
+        return _rms_forward(x, self.weight.detach(), self.variance_epsilon)[0]
 
 
 class SwiGLUMLP(nn.Module):

@@ -35,22 +35,22 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     out, lse = causal_attention(q, keys[0], values[0], scale, backend)
     if len(keys) == 1:
         return out
-    return _merge_diagonal(out, lse, q, keys[1:], values[1:], scale)
+    # stacked, not a list: dynamo guards a list's length, and each of the unroll's steps would compile its own
+    # forward and backward graph (an Inductor compile of seconds each)
+    return _merge_diagonal(out, lse, q, torch.stack(keys[1:]), torch.stack(values[1:]), scale)
 
 
 @on_cuda_compiled
 def _merge_diagonal(out, lse, q, keys, values, scale: float) -> torch.Tensor:
-    """The causal part's output and log-sum-exp merged with the scores of the same position's later keys."""
+    """The causal part's output and log-sum-exp merged with the scores of the same position's later keys:
+    keys/values [j, B, Hkv, T, D] (j later steps)."""
     B, H, T, D = q.shape
-    groups = keys[0].shape[1]  # grouped-query attention: each kv head serves H // groups query heads
-    qg = q.view(B, groups, H // groups, T, D)
-    diagonal = [(qg * k[:, :, None]).sum(-1).float().view(B, H, T) * scale for k in keys]
-    weights = torch.softmax(torch.stack([lse, *diagonal], dim=-1), dim=-1).to(out.dtype)  # [B, H, T, 1 + j]
-    out = out * weights[..., :1]
-    for i, v in enumerate(values, start=1):
-        w = weights[..., i:i + 1].view(B, groups, H // groups, T, 1)
-        out = out + (w * v[:, :, None]).view(B, H, T, v.shape[-1])
-    return out
+    groups = keys.shape[2]  # grouped-query attention: each kv head serves H // groups query heads
+    qg = q.view(1, B, groups, H // groups, T, D)
+    diagonal = (qg * keys[:, :, :, None]).sum(-1).float().view(-1, B, H, T) * scale           # [j, B, H, T]
+    weights = torch.softmax(torch.cat([lse[None], diagonal]), dim=0).to(out.dtype)             # [1 + j, B, H, T]
+    mixed = (weights[1:].view(-1, B, groups, H // groups, T, 1) * values[:, :, :, None]).sum(0)
+    return out * weights[0, ..., None] + mixed.view(B, H, T, values.shape[-1])
 
 
 def causal_attention(q, k, v, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,6 +185,47 @@ def test_flex_compiles_once_per_length_bucket_whatever_the_batch_size(monkeypatc
     assert not ttt._FLEX_FAILED
 
 
+def test_training_compiles_a_fixed_set_of_graphs_whatever_the_batch(drafter, monkeypatch):
+    """Every graph dynamo makes is an Inductor compile of seconds on the GPU: the mission run's first 20 steps
+    took 4 min 56 s (a graph per unroll step for the merge, per requires_grad/stride/batch-size-equals-heads
+    pattern for the fused functions). The fused functions compiled on the CPU too (aot_eager standing in for
+    Inductor, the guards are the same): after the first batch, new batch sizes and lengths add no graph, and
+    evaluation adds its no-grad variants once."""
+    from torch._dynamo.utils import counters
+    from train import fused
+    monkeypatch.setattr(fused, "CPU_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = drafter.config
+    teacher = Teacher(torch.randn(cfg.vocab_size, cfg.target_hidden_size), drafter.t2d)
+
+    def graphs_after(B: int, T: int, train: bool = True) -> int:
+        ids = torch.randint(0, cfg.vocab_size, (B, T))
+        lengths = torch.randint(T // 2, T + 1, (B,))
+        lengths[0] = T
+        with torch.set_grad_enabled(train):
+            out = ttt.ttt_unroll(drafter, ids, torch.randn(B, T, 3 * cfg.target_hidden_size), torch.ones(B, T),
+                                 lengths, teacher(torch.randn(B, T, cfg.target_hidden_size)), 5, 0.8)
+            if train:
+                out.loss.backward()
+        assert torch.isfinite(out.loss)
+        return counters["stats"]["unique_graphs"]
+
+    heads = cfg.num_attention_heads  # a first batch as large as the head count made dynamo assume B == H
+    first = graphs_after(heads, 40)
+    assert first <= 8, first         # with the merge's keys in a list: 10 (one graph per unroll step)
+    later = [graphs_after(B, T) - first for B, T in [(heads + 1, 23), (heads + 3, 40), (2, 64), (heads, 9)]]
+    assert later == [0] * 4, later   # with duck sizing: [3, 3, 3, 3]
+    evaluated = graphs_after(heads + 2, 30, train=False) - first
+    assert 0 < evaluated <= 3, evaluated  # the merge's keys in a list: 5
+    assert graphs_after(6, 50, train=False) - first == evaluated
+    # dynamo specialises a size of 1: a one-sequence batch (longer than half the token budget) adds its set once
+    one = graphs_after(1, 17) - first - evaluated
+    assert graphs_after(1, 33) - first - evaluated == one
+    drafter.zero_grad()  # the fixture is shared
+
+
 def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
     torch.manual_seed(0)
     lm_head, embed = torch.randn(10, 4), torch.randn(10, 4)
