@@ -172,18 +172,18 @@ def main(argv: list[str] | None = None) -> None:
             log.progress(step, {"loss": f"{scalars['loss']:.3f}", "acc0": f"{scalars['acc_step0']:.2f}",
                                 "accept": f"{scalars['accept_length']:.2f}"})
             stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
-        new_best = False
-        if step % tc.eval_every == 0 or step == total:
+        # the periodic save comes before the evaluation: the mission run's first eval compiled its no-grad kernels
+        # for over a minute on the H200, was stopped there and lost its step's save
+        stopped = stop.agreed() if step < total else 0
+        tag = checkpoints.save(engine, step, state) if step % tc.save_every == 0 or step == total or stopped else None
+        if (step % tc.eval_every == 0 or step == total) and not stopped:
             eval_metrics = evaluate(engine, data, teacher, cfg, device, dtype)
             if eval_metrics:
                 log.log(step, eval_metrics, "eval")
-                new_best = eval_metrics["accept_length"] > best
-        stopped = stop.agreed() if step < total else 0
-        if step % tc.save_every == 0 or step == total or new_best or stopped:
-            tag = checkpoints.save(engine, step, state)
-            if new_best:
-                best = eval_metrics["accept_length"]
-                checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+                if eval_metrics["accept_length"] > best:
+                    best = eval_metrics["accept_length"]
+                    tag = tag or checkpoints.save(engine, step, state)
+                    checkpoints.mark_best(tag, {"step": step, "accept_length": best})
         if stopped:
             log.message(f"[train] stopped by signal {stopped} at step {step}/{total}, saved {tag}; "
                         "run again to resume from it")
