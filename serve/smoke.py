@@ -11,8 +11,10 @@ mode otherwise), waits for readiness with a timeout (large targets take minutes)
 temperature 0 and reports output parity with the baseline, the accept length from `meta_info`
 (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s single-stream and
 at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the port and the
-GPU memory are checked released. Server logs and report.json go to --out. `--steps 3,5` starts one EAGLE3
-server per chain length (report keys `eagle3` for the first, `eagle3_steps5` for the others).
+GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain length (report keys `eagle3`
+for the first, `eagle3_steps5` for the others). Server logs, each server's measurements (server-NAME.json, reused
+by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next server)
+and report.json go to --out.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -21,6 +23,7 @@ tokens next to the reference decoder's and the offline evaluator's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -128,6 +131,30 @@ class Server:
         return {"port_free": _port_free(self.port), "gpu_memory_used_mib": _gpu_memory_used_mib()}
 
 
+def server_key(command: list[str], prompts: list[list[int]], max_new: int, concurrency: list[int],
+               drafter: str | None) -> str:
+    """What a server's measurements depend on: its command, the prompts and, for EAGLE3, the drafter's files."""
+    h = hashlib.sha256(json.dumps([command, prompts, max_new, concurrency]).encode())
+    for f in sorted(Path(drafter).iterdir()) if drafter else []:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def measured_once(path: Path, key: str, serve_and_measure) -> dict:
+    """One server's measurements, kept in `path`: a smoke test cut off by a time limit (tests/benchmarks/mission.sh)
+    resumes at the next server instead of starting every server again. Reused only under the same key."""
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["key"] == key:
+            print(f"[smoke] {path.stem}: measured by an earlier run with the same command, prompts and drafter: {path}")
+            measured = saved["result"]["measured"]
+            measured["tokens_per_s"] = {int(c): v for c, v in measured["tokens_per_s"].items()}  # JSON keys are str
+            return saved["result"]
+    result = serve_and_measure()
+    path.write_text(json.dumps({"key": key, "result": result}))
+    return result
+
+
 def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency: list[int]) -> dict:
     server.generate(prompts[0], 8)  # untimed warm-up
     t0 = time.time()
@@ -202,13 +229,21 @@ def main(argv: list[str] | None = None) -> dict:
     servers = [("baseline", common)] + [("eagle3" if i == 0 else f"eagle3_steps{n}", common + eagle(n))
                                         for i, n in enumerate(steps)]
     for name, args in servers:
-        server = Server(args, a.port, out / f"server-{name}.log", a.timeout)
-        try:
-            report[f"{name}_ready_s"] = server.wait_ready()
-            report[name] = measure(server, prompts, a.max_new_tokens, concurrency)
-        finally:
-            report[f"{name}_stopped"] = server.stop()
-        report[f"{name}_command"] = " ".join(server.cmd)
+        key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, concurrency,
+                         a.drafter if a.drafter in args else None)
+
+        def serve_and_measure() -> dict:
+            server = Server(args, a.port, out / f"server-{name}.log", a.timeout)
+            result = {"command": " ".join(server.cmd)}
+            try:
+                result["ready_s"] = server.wait_ready()
+                result["measured"] = measure(server, prompts, a.max_new_tokens, concurrency)
+            finally:
+                result["stopped"] = server.stop()
+            return result
+        result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
+        report |= {f"{name}_ready_s": result["ready_s"], name: result["measured"],
+                   f"{name}_stopped": result["stopped"], f"{name}_command": result["command"]}
     base, spec = report["baseline"], report["eagle3"]
 
     def parity(run: dict) -> float:  # share of prompts whose output equals the baseline's

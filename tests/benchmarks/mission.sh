@@ -4,7 +4,7 @@
 # machine holds (launch/mission_target.py's checkpoints, the pipeline's stage skipping, DeepSpeed's `latest` at
 # the step the time limit's SIGINT stopped training, extraction's sealed shards, regeneration's output file),
 # stops cleanly before its time is up, and copies the small results (reports, TensorBoard events, the drafter's
-# config, logs) to $OUT/mission.
+# config, logs; at most 8 files come back) and the machine's JIT kernel caches to $OUT/mission.
 #
 #   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
 #   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7)
@@ -13,6 +13,7 @@ cd "$(dirname "$0")/../.."
 source .whl/gpu-env.sh
 source .sgl/sglang-env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH
+export TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor  # beside SGLang's JIT caches: one archive keeps them all
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET=${MISSION_SECONDS:-570}
 RUN=runs/mission
@@ -22,16 +23,21 @@ left() { echo $((BUDGET - SECONDS)); }
 within() { local s=$(($(left) - $1)); echo $((s > 1 ? s : 1)); }  # a timeout that keeps $1 s in hand (0 would mean none)
 log() { echo "[mission $(date +%T) +${SECONDS}s] $*"; }
 
-collect() {
+collect() {  # at most 8 files come back from $OUT: the reports as they are, the rest in one archive
   mkdir -p "$OUT_DIR"
-  cp -f $RUN/report.json $RUN/smoke/report.json "$OUT_DIR/" 2>/dev/null
-  cp -f $ASSETS/target/training*.json $ASSETS/target/config.json "$OUT_DIR/" 2>/dev/null
+  cp -f $RUN/report.json $RUN/evaluate/evaluate.json "$OUT_DIR/" 2>/dev/null
+  cp -f $RUN/smoke/report.json "$OUT_DIR/smoke-report.json" 2>/dev/null
   cp -f $RUN/drafter/config.json "$OUT_DIR/drafter-config.json" 2>/dev/null
-  cp -rf $RUN/pipeline $RUN/evaluate "$OUT_DIR/" 2>/dev/null
-  cp -f $RUN/smoke/*.log "$OUT_DIR/" 2>/dev/null
-  [ -d $RUN/tensorboard ] && cp -rf $RUN/tensorboard "$OUT_DIR/"
-  cp -f $RUN/data/*.report.json "$OUT_DIR/" 2>/dev/null
-  du -sh $RUN/features 2>/dev/null; df -h . | tail -1
+  tar -czf "$OUT_DIR/results.tar.gz" --ignore-failed-read $RUN/pipeline $RUN/evaluate $RUN/tensorboard \
+    $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $ASSETS/target/training*.json \
+    $ASSETS/target/config.json 2>/dev/null
+  # the kernels this machine built (SGLang's Triton and TVM-FFI JIT, Inductor's for the drafter): copied to
+  # .sgl/jitcache.tar.xz (sglang-env.sh unpacks it), they spare a later fresh machine the builds
+  if [ -d /tmp/sgl-jit ] && tar -C /tmp/sgl-jit -cf - . | timeout 30 xz -T0 -3 >/tmp/jitcache.tar.xz \
+     && [ "$(stat -c %s /tmp/jitcache.tar.xz)" -lt 16000000 ]; then  # whole and within what comes back, or not at all
+    mv /tmp/jitcache.tar.xz "$OUT_DIR/"
+  fi
+  du -sh $RUN/features /tmp/sgl-jit 2>/dev/null; df -h . | tail -1
   log "results in $OUT_DIR"
 }
 trap collect EXIT
@@ -55,9 +61,9 @@ timeout -k 20 -s INT "$(within 30)" python3 -m launch.pipeline --config launch/c
        # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
        for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
 
-# the smoke test starts three servers and cannot resume halfway: start it only with room to finish
-if [ "$(left)" -lt 400 ]; then
-  log "smoke: $(left) s left, too few to start three servers; run this script again"; exit 0
+# the smoke test starts three servers; a rerun skips those already measured, so start it with room for one
+if [ "$(left)" -lt 150 ]; then
+  log "smoke: $(left) s left, too few to start a server; run this script again"; exit 0
 fi
 log "pipeline: smoke"
 timeout -k 20 -s INT "$(within 15)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages smoke \

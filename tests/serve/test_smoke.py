@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from serve.smoke import accept_length, compare_with_run, verdict
+from serve.smoke import accept_length, compare_with_run, measured_once, server_key, verdict
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -32,6 +32,28 @@ def test_compare_with_run_sets_sglang_beside_the_reference_decoder_and_offline_e
     assert r["token_parity_with_reference_decoder"] == 0.5
     with pytest.raises(SystemExit, match="4 steps"):
         compare_with_run(str(tmp_path), "D", 4, {"accept_length": 2.5, "output_ids": []})
+
+
+def test_a_rerun_reuses_a_server_measured_with_the_same_command_prompts_and_drafter(tmp_path):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_bytes(b"weights v1")
+    key = server_key(["launch_server", "--speculative-draft-model-path", str(drafter)], [[1, 2]], 64, [1, 8],
+                     str(drafter))
+    calls = []
+
+    def serve_and_measure():
+        calls.append(1)
+        return {"command": "c", "ready_s": 1.0, "stopped": {}, "measured": {"tokens_per_s": {1: 10.0, 8: 70.0}}}
+    first = measured_once(tmp_path / "server-eagle3.json", key, serve_and_measure)
+    again = measured_once(tmp_path / "server-eagle3.json", key, serve_and_measure)
+    assert len(calls) == 1 and again == first  # concurrency keys come back as ints, as verdict() indexes them
+    assert server_key(["launch_server"], [[1, 2]], 64, [1, 8], None) != key
+    (drafter / "model.safetensors").write_bytes(b"weights v2")  # re-exported drafter: measured again
+    changed = server_key(["launch_server", "--speculative-draft-model-path", str(drafter)], [[1, 2]], 64, [1, 8],
+                         str(drafter))
+    measured_once(tmp_path / "server-eagle3.json", changed, serve_and_measure)
+    assert changed != key and len(calls) == 2
 
 
 @pytest.mark.gpu
