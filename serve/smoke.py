@@ -135,7 +135,7 @@ def server_key(command: list[str], prompts: list[list[int]], max_new: int, concu
                drafter: str | None) -> str:
     """What a server's measurements depend on: its command, the prompts and, for EAGLE3, the drafter's files."""
     h = hashlib.sha256(json.dumps([command, prompts, max_new, concurrency]).encode())
-    for f in sorted(Path(drafter).iterdir()) if drafter else []:
+    for f in sorted(p for p in Path(drafter).iterdir() if p.is_file()) if drafter else []:
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 
