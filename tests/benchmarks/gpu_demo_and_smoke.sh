@@ -5,11 +5,25 @@
 #   DEMO=1         the demo pipeline on the GPU in runs/gpu (DeepSpeed, one rank; reuses a carried demo target)
 #   SMOKE=1        serve.smoke for SMOKE_RUN (default runs/demo): SGLang baseline vs EAGLE3 on the run's held-out
 #                  prompts, compared with the run's reference decoder and offline evaluator (dtype SMOKE_DTYPE)
-# Results under $OUT/bench.json, $OUT/gpu-demo, $OUT/smoke.
+#   MLA=1          issue 9 on the GPU: the tiny DeepseekV3 (MLA + MoE) target, the demo-deepseek pipeline for each
+#                  drafter arch in MLA_ARCHS (default "llama mla"), then serve.smoke of each drafter on that target
+# Results under $OUT/bench.json, $OUT/gpu-demo, $OUT/smoke, $OUT/mla-ARCH.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT/gpu-demo"
 source .whl/gpu-env.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+smoke() {  # TARGET RUN OUT: SGLang baseline vs EAGLE3 with RUN's drafter on RUN's held-out prompts
+  # (at most 8 files come back from $OUT: the report as it is, the server logs and measurements in one archive)
+  mkdir -p "$3"
+  timeout ${SMOKE_TIMEOUT:-500} python3 -m serve.smoke --target "$1" --drafter "$2/drafter" --run "$2" \
+    --concurrency 1,8,64 --out "$2/smoke-gpu" --timeout 300 \
+    --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
+    --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
+    --server-arg=--mem-fraction-static=0.3 --server-arg=--dtype=${SMOKE_DTYPE:-bfloat16} 2>&1 \
+    | tr '\r' '\n' | grep -v "^waiting for" | tail -30
+  echo "smoke rc=${PIPESTATUS[0]}"
+  cp "$2/smoke-gpu/report.json" "$3/" 2>/dev/null; tar -C "$2" -czf "$3/smoke-gpu.tar.gz" smoke-gpu
+}
 if [ -n "${BENCH:-}" ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 tests/benchmarks/bench_train.py $BENCH 2>&1 | grep -v "it/s\]$" | tail -20
 fi
@@ -24,11 +38,18 @@ fi
 if [ "${SMOKE:-0}" = 1 ]; then
   run=${SMOKE_RUN:-runs/demo}
   ( source .sgl/sglang-env.sh
-    timeout ${SMOKE_TIMEOUT:-500} python3 -m serve.smoke --target runs/demo/assets/target --drafter $run/drafter \
-      --run $run --concurrency 1,8,64 --out "$OUT/smoke" --timeout 300 \
-      --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
-      --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
-      --server-arg=--mem-fraction-static=0.3 --server-arg=--dtype=${SMOKE_DTYPE:-bfloat16} 2>&1 \
-      | tr '\r' '\n' | grep -v "^waiting for" | tail -30
-    echo "smoke rc=${PIPESTATUS[0]}" )
+    smoke runs/demo/assets/target $run "$OUT/smoke" )
+fi
+if [ "${MLA:-0}" = 1 ]; then
+  assets=runs/demo-deepseek/assets
+  [ -f $assets/target/config.json ] || python3 -m launch.demo_target --out $assets --arch deepseek_v3 | tail -3
+  for arch in ${MLA_ARCHS:-llama mla}; do
+    mkdir -p "$OUT/mla-$arch"
+    timeout ${DEMO_TIMEOUT:-300} python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
+      --run_dir runs/dsv3-$arch --train.drafter.arch $arch --extract.nproc_per_node 1 --train.nproc_per_node 1 \
+      > "$OUT/mla-$arch/pipeline.log" 2>&1
+    echo "dsv3 $arch pipeline rc=$?"; grep "^\[pipeline\]" "$OUT/mla-$arch/pipeline.log" | tail -3
+    cp runs/dsv3-$arch/report.json "$OUT/mla-$arch/" 2>/dev/null
+    ( source .sgl/sglang-env.sh; smoke $assets/target runs/dsv3-$arch "$OUT/mla-$arch/smoke" )
+  done
 fi
