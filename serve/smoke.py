@@ -37,6 +37,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from data.shards import file_checksum
+
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]
 
@@ -134,10 +136,9 @@ class Server:
 def server_key(command: list[str], prompts: list[list[int]], max_new: int, concurrency: list[int],
                drafter: str | None) -> str:
     """What a server's measurements depend on: its command, the prompts and, for EAGLE3, the drafter's files."""
-    h = hashlib.sha256(json.dumps([command, prompts, max_new, concurrency]).encode())
-    for f in sorted(p for p in Path(drafter).iterdir() if p.is_file()) if drafter else []:
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()
+    drafter_files = [(f.name, file_checksum(f)) for f in sorted(Path(drafter).iterdir()) if f.is_file()] \
+        if drafter else []
+    return hashlib.sha256(json.dumps([command, prompts, max_new, concurrency, drafter_files]).encode()).hexdigest()
 
 
 def measured_once(path: Path, key: str, serve_and_measure) -> dict:
