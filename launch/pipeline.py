@@ -161,9 +161,10 @@ def regenerate_server_args(cfg: EyrieConfig) -> list[str]:
     """serve.server_args, then CUDA graphs and running requests sized to regenerate.concurrency (later flags win):
     decode batches past the graphs' largest size run eagerly, launch-bound. On the mission run's H200, 256
     requests under graphs captured up to 128 decoded at 6-8K tokens/s, 48 under a graph at 19.9K."""
-    n = str(cfg.data.regenerate.concurrency)
+    from serve.smoke import decode_graph_args
+    n = cfg.data.regenerate.concurrency
     return ["--model-path", cfg.target.path, "--tp", str(cfg.serve.tp), *cfg.serve.server_args,
-            "--cuda-graph-max-bs-decode", n, "--max-running-requests", n]
+            *decode_graph_args([n]), "--max-running-requests", str(n)]
 
 
 @contextlib.contextmanager

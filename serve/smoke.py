@@ -6,15 +6,15 @@
 Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
 --speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
-`--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative
-mode otherwise), waits for readiness with a timeout (large targets take minutes), sends the prompts at
-temperature 0 and reports output parity with the baseline, the accept length from `meta_info`
-(`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s single-stream and
-at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the port and the
-GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain length (report keys `eagle3`
-for the first, `eagle3_steps5` for the others). Server logs, each server's measurements (server-NAME.json, reused
-by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next server)
-and report.json go to --out.
+`--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative mode
+otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a timeout (large
+targets take minutes), sends the prompts at temperature 0 and reports output parity with the baseline, the accept
+length from `meta_info` (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s
+single-stream and at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the
+port and the GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain length (report keys
+`eagle3` for the first, `eagle3_steps5` for the others). Server logs, each server's measurements
+(server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit
+resumes at the next server) and report.json go to --out.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -83,6 +83,17 @@ def server_command(port: int, args: list[str]) -> list[str]:
     """Bound to 127.0.0.1: the smoke test's servers are not reachable from other machines unless the user's
     server args say otherwise."""
     return [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+
+
+def decode_graph_args(concurrency: list[int]) -> list[str]:
+    """`--cuda-graph-bs-decode` with the batch sizes clients at these concurrencies make: powers of two up to the
+    largest (a batch shrinks as its requests finish and runs in the next captured size up) and each concurrency.
+    SGLang's own list (1, 2, 4, 8, 12, 16, 24, then every 8) is captured size by size at every server start: up to
+    256 that was 36 sizes and 46 s of a 71 s start on the H200 (JIT cache warm); 9 sizes cover the same batches.
+    An explicit list replaces `--cuda-graph-max-bs-decode`."""
+    largest = max(concurrency)
+    sizes = {1 << i for i in range(largest.bit_length())} | set(concurrency)
+    return ["--cuda-graph-bs-decode", *map(str, sorted(sizes))]
 
 
 class Server:
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     target_config = json.loads((Path(a.target) / "config.json").read_text())
     mla = "kv_lora_rank" in (target_config.get("text_config") or target_config)
     common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(concurrency) * 2),
-              *a.server_arg]
+              *decode_graph_args(concurrency), *a.server_arg]  # the user's own graph sizes, if any, come last: they win
 
     def eagle(n: int) -> list[str]:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,

@@ -167,7 +167,8 @@ def test_no_target_server_starts_when_every_prompt_is_already_answered(tmp_path,
 
 def test_regenerate_server_graphs_every_batch_the_client_makes():
     """The regenerate server's CUDA graphs cover regenerate.concurrency (the smoke test's 128 in serve.server_args
-    left 256 requests decoding eagerly at 6-8K tokens/s on the H200), read back through SGLang's own parser."""
+    left 256 requests decoding eagerly at 6-8K tokens/s on the H200) in 9 sizes, not SGLang's 36 (each one captured
+    at start-up), read back through SGLang's own parser."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -180,7 +181,7 @@ def test_regenerate_server_graphs_every_batch_the_client_makes():
     ServerArgs.add_cli_args(parser)
     parsed = parser.parse_args(regenerate_server_args(cfg))
     assert parsed.model_path == "runs/x/target" and parsed.attention_backend == "triton"
-    assert parsed.cuda_graph_max_bs_decode == 256 and parsed.max_running_requests == 256
+    assert parsed.cuda_graph_bs_decode == [1, 2, 4, 8, 16, 32, 64, 128, 256] and parsed.max_running_requests == 256
 
 
 def test_regenerate_is_its_own_stage_when_enabled():

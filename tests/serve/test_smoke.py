@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from serve.smoke import accept_length, compare_with_run, measured_once, server_key, verdict
+from serve.smoke import accept_length, compare_with_run, decode_graph_args, measured_once, server_key, verdict
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -18,6 +18,21 @@ def test_accept_length_is_tokens_per_verify_step_over_all_requests():
 def test_verdict_per_concurrency():
     v = verdict({1: 100.0, 8: 500.0, 64: 2000.0}, {1: 180.0, 8: 510.0, 64: 1500.0})
     assert v[1].startswith("pays") and v[8].startswith("neutral") and v[64].startswith("does not pay")
+
+
+def test_decode_graphs_cover_each_concurrency_in_few_sizes_and_a_users_list_wins():
+    """Read back through SGLang's own parser: powers of two up to the largest concurrency plus each one (7 sizes
+    for 1/8/32/64, where SGLang's default list up to 64 has 11), and a user's list given after it replaces it."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ours = decode_graph_args([1, 8, 32, 64])
+    assert parser.parse_args(["--model-path", "t", *ours]).cuda_graph_bs_decode == [1, 2, 4, 8, 16, 32, 64]
+    assert decode_graph_args([48])[1:] == ["1", "2", "4", "8", "16", "32", "48"]
+    users = parser.parse_args(["--model-path", "t", *ours, "--cuda-graph-bs-decode", "1", "3"])
+    assert users.cuda_graph_bs_decode == [1, 3]
 
 
 def test_compare_with_run_sets_sglang_beside_the_reference_decoder_and_offline_evaluator(tmp_path):
