@@ -6,7 +6,8 @@
 #   SMOKE=1        serve.smoke for SMOKE_RUN (default runs/demo): SGLang baseline vs EAGLE3 on the run's held-out
 #                  prompts, compared with the run's reference decoder and offline evaluator (dtype SMOKE_DTYPE)
 #   MLA=1          issue 9 on the GPU: the tiny DeepseekV3 (MLA + MoE) target, the demo-deepseek pipeline for each
-#                  drafter arch in MLA_ARCHS (default "llama mla"), then serve.smoke of each drafter on that target
+#                  drafter arch in MLA_ARCHS (default "llama mla"; one fits a 10-minute command), then serve.smoke
+#                  of each drafter on that target
 # Results under $OUT/bench.json, $OUT/gpu-demo, $OUT/smoke, $OUT/mla-ARCH.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT/gpu-demo"
@@ -45,11 +46,14 @@ if [ "${MLA:-0}" = 1 ]; then
   [ -f $assets/target/config.json ] || python3 -m launch.demo_target --out $assets --arch deepseek_v3 | tail -3
   for arch in ${MLA_ARCHS:-llama mla}; do
     mkdir -p "$OUT/mla-$arch"
-    timeout ${DEMO_TIMEOUT:-300} python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
+    # measured on the H200 (2026-12-04): target 80 s; per arch regenerate 96 s (transformers generate), train
+    # 126 s (93 s of it compiling), evaluate > 50 s: one arch per device command (MLA_ARCHS=llama, then mla)
+    timeout ${MLA_TIMEOUT:-420} python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
       --run_dir runs/dsv3-$arch --train.drafter.arch $arch --extract.nproc_per_node 1 --train.nproc_per_node 1 \
       > "$OUT/mla-$arch/pipeline.log" 2>&1
     echo "dsv3 $arch pipeline rc=$?"; grep "^\[pipeline\]" "$OUT/mla-$arch/pipeline.log" | tail -3
     cp runs/dsv3-$arch/report.json "$OUT/mla-$arch/" 2>/dev/null
+    [ -f runs/dsv3-$arch/evaluate/evaluate.json ] || { echo "dsv3 $arch: no evaluation, no smoke test"; continue; }
     ( source .sgl/sglang-env.sh; smoke $assets/target runs/dsv3-$arch "$OUT/mla-$arch/smoke" )
   done
 fi
