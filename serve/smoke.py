@@ -10,11 +10,12 @@ Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--sp
 otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a timeout (large
 targets take minutes), sends the prompts at temperature 0 and reports output parity with the baseline, the accept
 length from `meta_info` (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s
-single-stream and at each concurrency, and a verdict per concurrency. Servers are stopped by process group; the
-port and the GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain length (report keys
-`eagle3` for the first, `eagle3_steps5` for the others). Server logs, each server's measurements
-(server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit
-resumes at the next server) and report.json go to --out.
+single-stream and at each concurrency, a verdict per concurrency, and single-stream the break-even accept length
+(a verify cycle's cost in plain decode steps) that tells overhead from drafter quality. Servers are stopped by
+process group; the port and the GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain
+length (report keys `eagle3` for the first, `eagle3_steps5` for the others). Server logs, each server's
+measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run cut off by a
+time limit resumes at the next server) and report.json go to --out.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -57,6 +58,22 @@ def verdict(baseline: dict[int, float], speculative: dict[int, float], margin: f
         out[c] = f"pays ({ratio:.2f}x)" if ratio > 1 + margin else \
             f"does not pay ({ratio:.2f}x)" if ratio < 1 - margin else f"neutral ({ratio:.2f}x)"
     return out
+
+
+def single_stream_costs(baseline_tokens_per_s: float, spec_tokens_per_s: float, accept: float, steps: int) -> dict:
+    """Why speculation pays or not single-stream, from measured throughputs: a verify cycle (the drafts plus one
+    target verify) costs accept / spec_tokens_per_s, a plain decode step 1 / baseline_tokens_per_s, so speculation
+    pays once the accept length exceeds their ratio (the break-even accept length). A break-even above steps + 1,
+    the most one cycle emits, means no drafter pays at this chain length: overhead, not drafter quality. Measured
+    end to end per request, so HTTP and prefill are in both."""
+    step_ms, cycle_ms = 1000 / baseline_tokens_per_s, 1000 * accept / spec_tokens_per_s
+    break_even = cycle_ms / step_ms
+    limited_by = ("nothing: the accept length is above break-even" if accept > break_even else
+                  "overhead: a cycle costs more decode steps than it can emit" if break_even > steps + 1 else
+                  "drafter quality: a higher accept length would pay")
+    return {"baseline_ms_per_token": round(step_ms, 3), "verify_cycle_ms": round(cycle_ms, 3),
+            "break_even_accept_length": round(break_even, 3), "accept_length": accept,
+            "most_tokens_per_cycle": steps + 1, "limited_by": limited_by}
 
 
 def _port_free(port: int) -> bool:
@@ -262,10 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
         return sum(x == y for x, y in zip(base["texts"], run["texts"])) / len(prompts)
     report["parity"] = parity(spec)
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
-    for n in steps[1:]:
-        deeper = report[f"eagle3_steps{n}"]
-        deeper |= {"parity": parity(deeper),
-                   "verdict": verdict(base["tokens_per_s"], deeper["tokens_per_s"])}
+    for n, name in zip(steps, ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]):
+        run = report[name]
+        run["single_stream"] = single_stream_costs(base["tokens_per_s"][1], run["tokens_per_s"][1],
+                                                   run["accept_length"], n)
+        if name != "eagle3":
+            run |= {"parity": parity(run), "verdict": verdict(base["tokens_per_s"], run["tokens_per_s"])}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
     if a.run:
         report["reference"] = compare_with_run(a.run, a.drafter, steps[0], spec)
@@ -275,6 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     for c in concurrency:
         print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
               f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
+    for n, name in zip(steps, ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]):
+        costs = report[name]["single_stream"]
+        print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
+              f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
+              f"(measured {costs['accept_length']:.2f}, at most {n + 1}); limited by {costs['limited_by']}")
     for n in steps[1:]:
         deeper = report[f"eagle3_steps{n}"]
         print(f"{n} steps: accept length {deeper['accept_length']}, parity {deeper['parity']:.0%}, "

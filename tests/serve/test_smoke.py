@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from serve.smoke import accept_length, compare_with_run, decode_graph_args, measured_once, server_key, verdict
+from serve.smoke import (accept_length, compare_with_run, decode_graph_args, measured_once, server_key,
+                         single_stream_costs, verdict)
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -18,6 +19,43 @@ def test_accept_length_is_tokens_per_verify_step_over_all_requests():
 def test_verdict_per_concurrency():
     v = verdict({1: 100.0, 8: 500.0, 64: 2000.0}, {1: 180.0, 8: 510.0, 64: 1500.0})
     assert v[1].startswith("pays") and v[8].startswith("neutral") and v[64].startswith("does not pay")
+
+
+def test_single_stream_costs_tell_overhead_from_drafter_quality():
+    # 500 tok/s plain = 2 ms a token; at accept length 2.5 a cycle costs 2.5 / spec tok/s
+    pays = single_stream_costs(500.0, 600.0, 2.5, 3)
+    assert pays["verify_cycle_ms"] == pytest.approx(4.167, abs=1e-3)
+    assert pays["break_even_accept_length"] == pytest.approx(2.083, abs=1e-3) and pays["limited_by"].startswith("nothing")
+    quality = single_stream_costs(500.0, 450.0, 2.5, 3)  # a 5.56 ms cycle: 2.78 decode steps, under the 4 it can emit
+    assert quality["break_even_accept_length"] == pytest.approx(2.778, abs=1e-3)
+    assert quality["limited_by"].startswith("drafter quality")
+    overhead = single_stream_costs(500.0, 300.0, 2.5, 3)  # an 8.33 ms cycle: 4.17 steps, more than any cycle emits
+    assert overhead["limited_by"].startswith("overhead") and overhead["most_tokens_per_cycle"] == 4
+
+
+def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_target, tmp_path, monkeypatch):
+    """main's report from the three servers' measurements (what server-NAME.json holds after a GPU run)."""
+    import serve.smoke
+    measured = {"baseline": ({1: 500.0, 8: 2000.0}, None, ["a", "b"]),
+                "eagle3": ({1: 600.0, 8: 1500.0}, 2.5, ["a", "b"]),
+                "eagle3_steps5": ({1: 450.0, 8: 1000.0}, 3.0, ["a", "c"])}
+
+    def canned(path, key, serve_and_measure):
+        tokens_per_s, accept, texts = measured[path.stem.removeprefix("server-")]
+        return {"command": "launch_server", "ready_s": 30.0, "stopped": {"port_free": True}, "measured": {
+            "tokens_per_s": tokens_per_s, "accept_length": accept, "texts": texts, "output_ids": [[1], [2]],
+            "spec_accept_length_mean": accept}}
+    monkeypatch.setattr(serve.smoke, "measured_once", canned)
+    (tmp_path / "drafter").mkdir()
+    report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(tmp_path / "drafter"), "--limit", "2",
+                               "--concurrency", "1,8", "--steps", "3,5", "--out", str(tmp_path / "out")])
+    assert report["parity"] == 1.0 and report["eagle3_steps5"]["parity"] == 0.5
+    assert report["verdict"] == {1: "pays (1.20x)", 8: "does not pay (0.75x)"}
+    assert report["eagle3"]["single_stream"]["break_even_accept_length"] == pytest.approx(2.083, abs=1e-3)
+    deeper = report["eagle3_steps5"]["single_stream"]  # 6.67 ms a cycle = 3.33 decode steps, under the 6 it emits
+    assert deeper["limited_by"].startswith("drafter quality") and deeper["most_tokens_per_cycle"] == 6
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["eagle3_steps5"]["verdict"]["1"].startswith(
+        "does not pay")
 
 
 def test_decode_graphs_cover_each_concurrency_in_few_sizes_and_a_users_list_wins():
