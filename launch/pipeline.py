@@ -230,7 +230,8 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
         report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
                             "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
-                                             "eagle3": smoke["eagle3"]["tokens_per_s"]}, "verdict": smoke["verdict"]}
+                                             "eagle3": smoke["eagle3"]["tokens_per_s"]}, "verdict": smoke["verdict"],
+                            "single_stream": smoke["eagle3"].get("single_stream")}
     return report
 
 
