@@ -105,9 +105,9 @@ def server_command(port: int, args: list[str]) -> list[str]:
 def decode_graph_args(concurrency: list[int]) -> list[str]:
     """`--cuda-graph-bs-decode` with the batch sizes clients at these concurrencies make: powers of two up to the
     largest (a batch shrinks as its requests finish and runs in the next captured size up) and each concurrency.
-    SGLang's own list (1, 2, 4, 8, 12, 16, 24, then every 8) is captured size by size at every server start: up to
-    256 that was 36 sizes and 46 s of a 71 s start on the H200 (JIT cache warm); 9 sizes cover the same batches.
-    An explicit list replaces `--cuda-graph-max-bs-decode`."""
+    SGLang's own lists are captured size by size at every server start: 36 sizes up to 256 (46 s of a 71 s start on
+    the H200, JIT cache warm) where 9 cover the same batches; in speculative mode 35 sizes up to 128, each with
+    draft and verify graphs, where 8 do. An explicit list replaces `--cuda-graph-max-bs-decode` (SGLang 0.5.14)."""
     largest = max(concurrency)
     sizes = {1 << i for i in range(largest.bit_length())} | set(concurrency)
     return ["--cuda-graph-bs-decode", *map(str, sorted(sizes))]
