@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
             (["--speculative-draft-attention-backend", "triton"] if mla else [])  # the Llama drafter: not MLA's
     report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": steps, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": _gpu_memory_used_mib()}
-    servers = [("baseline", common)] + [("eagle3" if i == 0 else f"eagle3_steps{n}", common + eagle(n))
-                                        for i, n in enumerate(steps)]
+    spec_names = ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
+    servers = [("baseline", common)] + [(name, common + eagle(n)) for name, n in zip(spec_names, steps)]
     for name, args in servers:
         key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, concurrency,
                          a.drafter if a.drafter in args else None)
@@ -279,12 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
         return sum(x == y for x, y in zip(base["texts"], run["texts"])) / len(prompts)
     report["parity"] = parity(spec)
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
-    for n, name in zip(steps, ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]):
-        run = report[name]
-        run["single_stream"] = single_stream_costs(base["tokens_per_s"][1], run["tokens_per_s"][1],
-                                                   run["accept_length"], n)
+    for name, n in zip(spec_names, steps):
+        measured = report[name]
+        measured["single_stream"] = single_stream_costs(base["tokens_per_s"][1], measured["tokens_per_s"][1],
+                                                        measured["accept_length"], n)
         if name != "eagle3":
-            run |= {"parity": parity(run), "verdict": verdict(base["tokens_per_s"], run["tokens_per_s"])}
+            measured |= {"parity": parity(measured), "verdict": verdict(base["tokens_per_s"], measured["tokens_per_s"])}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
     if a.run:
         report["reference"] = compare_with_run(a.run, a.drafter, steps[0], spec)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     for c in concurrency:
         print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
               f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
-    for n, name in zip(steps, ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]):
+    for name, n in zip(spec_names, steps):
         costs = report[name]["single_stream"]
         print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
               f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
