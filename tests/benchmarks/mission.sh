@@ -4,7 +4,9 @@
 # machine holds (launch/mission_target.py's checkpoints, the pipeline's stage skipping, DeepSpeed's `latest` at
 # the step the time limit's SIGINT stopped training, extraction's sealed shards, regeneration's output file),
 # stops cleanly before its time is up, and copies the small results (reports, TensorBoard events, the drafter's
-# config, logs; at most 8 files come back) and the machine's JIT kernel caches to $OUT/mission.
+# config, logs; at most 8 files come back) and the machine's JIT kernel caches to $OUT/mission
+# (jitcache.tar.xz and inductor.tar.xz: copy them to .sgl/ for the next fresh machine; .whl + .sgl must stay
+# under the 64 MiB a call carries).
 #
 #   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
 #   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7)
@@ -13,7 +15,12 @@ cd "$(dirname "$0")/../.."
 source .whl/gpu-env.sh
 source .sgl/sglang-env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH
-export TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor  # beside SGLang's JIT caches: one archive keeps them all
+export TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor  # beside SGLang's JIT caches (Triton's binaries: ../triton)
+# Inductor's compiled drafter graphs from an earlier run (collect brings them back as inductor.tar.xz, to be
+# copied to .sgl/): the training and evaluation compiles (~100 s of the train stage on a fresh machine) hit them
+if [ -f .sgl/inductor.tar.xz ] && [ ! -f /tmp/sgl-jit/inductor/.restored ]; then
+  mkdir -p /tmp/sgl-jit && tar -C /tmp/sgl-jit -xJf .sgl/inductor.tar.xz && touch /tmp/sgl-jit/inductor/.restored
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET=${MISSION_SECONDS:-570}
 RUN=runs/mission
@@ -31,12 +38,15 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
   tar -czf "$OUT_DIR/results.tar.gz" --ignore-failed-read $RUN/pipeline $RUN/evaluate $RUN/tensorboard \
     $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $ASSETS/target/training*.json \
     $ASSETS/target/config.json 2>/dev/null
-  # the kernels this machine built (SGLang's Triton and TVM-FFI JIT, Inductor's for the drafter): copied to
-  # .sgl/jitcache.tar.xz (sglang-env.sh unpacks it), they spare a later fresh machine the builds
-  if [ -d /tmp/sgl-jit ] && tar -C /tmp/sgl-jit -cf - . | timeout 30 xz -T0 -3 >/tmp/jitcache.tar.xz \
-     && [ "$(stat -c %s /tmp/jitcache.tar.xz)" -lt 16000000 ]; then  # whole and within what comes back, or not at all
-    mv /tmp/jitcache.tar.xz "$OUT_DIR/"
-  fi
+  # the kernels this machine built: jitcache.tar.xz (Triton and TVM-FFI binaries; sglang-env.sh unpacks it) and
+  # inductor.tar.xz (Inductor's graphs; unpacked above), copied to .sgl/ they spare a later fresh machine the builds.
+  # Two archives, so that a large Inductor cache cannot keep SGLang's from coming back
+  pack() {  # NAME TAR-ARGS: $OUT_DIR/NAME.tar.xz, whole and within what comes back (16 MB a file), or not at all
+    local name=$1; shift
+    tar -C /tmp/sgl-jit -cf - "$@" 2>/dev/null | timeout 60 xz -T0 -3 >/tmp/$name.tar.xz \
+      && [ "$(stat -c %s /tmp/$name.tar.xz)" -lt 16000000 ] && mv /tmp/$name.tar.xz "$OUT_DIR/"
+  }
+  if [ -d /tmp/sgl-jit ]; then pack jitcache --exclude=./inductor .; pack inductor ./inductor; fi
   du -sh $RUN/features /tmp/sgl-jit 2>/dev/null; df -h . | tail -1
   log "results in $OUT_DIR"
 }
