@@ -17,6 +17,7 @@ class TargetInfo:
     vocab_size: int
     max_position_embeddings: int
     text_config: dict      # the language model's config (a multimodal wrapper's `text_config`)
+    dtype: str = "float32"  # the declared weight dtype; SGLang's `--dtype auto` reads it (absent = float32)
 
     def aux_layer_ids(self, configured: list[int] | None = None) -> list[int]:
         """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4]."""
@@ -47,6 +48,8 @@ def load_target_info(path: str | Path) -> TargetInfo:
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text.get("max_position_embeddings", 0)),
             text_config=text,
+            dtype=str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype")
+                      or config.get("torch_dtype") or "float32"),
         )
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing {e.args[0]!r} (looked in text_config too)") from None

@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"({len(functions)} stdlib functions), {len(stream):,} tokens; prepared in {prep_s:.0f} s", flush=True)
     model = build_model(size, tok, a.seed)
     state = train(model, stream, size, out, a.minutes, a.steps, a.save_minutes, a.batch, a.lr, a.seed, a.stop_at)
-    model.save_pretrained(str(target))
+    # shipped in bf16 as real targets are: extraction runs it in bf16, and SGLang's `--dtype auto` would serve a
+    # float32-declared model in float16
+    model.to(torch.bfloat16).save_pretrained(str(target))
     samples = greedy_samples(model, tok, ["What is 17 plus 25?", "Sort these words: tiger, apple, river.",
                                           f"Show me the function {functions[0][1]} from the Python module "
                                           f"{functions[0][0]}." if functions else "Count from 1 to 5."])

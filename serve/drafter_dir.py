@@ -63,10 +63,12 @@ def sglang_config(config: LlamaConfig) -> dict:
     """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
     out = config.to_dict()
     rope = dict(out.get("rope_parameters") or {})
+    # the target's declared dtype (train.drafter.drafter_config); both keys, for transformers 4 and 5 readers
+    dtype = out.get("dtype") or out.get("torch_dtype") or "bfloat16"
     out |= {"architectures": [MLA_ARCH if is_mla(config) else "LlamaForCausalLMEagle3"],
             # transformers must parse it: deepseek_v3 knows the MLA dims, llama the rest
             "model_type": "deepseek_v3" if is_mla(config) else "llama", "num_hidden_layers": 1,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False, "dtype": dtype, "torch_dtype": dtype,
             "rope_theta": rope.get("rope_theta", 10000.0),
             "rope_scaling": None if rope.get("rope_type", "default") == "default" else
             {k: v for k, v in rope.items() if k != "rope_theta"}}

@@ -68,7 +68,9 @@ def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: i
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
-        **rope)
+        # SGLang resolves the drafter's dtype from its own config, the target's from the target's: declaring the
+        # same one keeps them equal (else the draft layer gets mixed-dtype inputs and graph capture fails)
+        dtype=target.dtype, **rope)
 
 
 class KVCache:

@@ -93,3 +93,29 @@ def test_broken_drafters_fail_sglangs_own_loader(how, exported, tmp_path):
     bad = _break(exported[0] / "zero2", tmp_path / "bad", how)
     with pytest.raises((DrafterDirError, RuntimeError)):
         check_in_subprocess(bad)
+
+
+@needs_sglang
+@pytest.mark.parametrize("declared", ["bfloat16", "float32", None])
+def test_sglang_resolves_drafter_and_target_to_one_dtype(declared, tmp_path):
+    """SGLang picks each model's dtype from its own config (`--dtype auto`; float32 or none declared → float16):
+    a drafter declaring another dtype than its target gets mixed-dtype inputs and its CUDA graph capture fails
+    ("expected mat1 and mat2 to have the same dtype"), as the first mission smoke test did."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from data.config import DrafterConfig
+    from data.target import load_target_info
+    from serve.drafter_dir import sglang_config
+    from serve.sglang_check import _stub_modules
+    from train.drafter import drafter_config
+    _stub_modules()
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=256,
+                **({"dtype": declared} if declared else {})).save_pretrained(target)
+    info = load_target_info(target)
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(sglang_config(drafter_config(info, DrafterConfig(), 128, [0, 1, 2]))))
+    served = {p.name: _get_and_verify_dtype(AutoConfig.from_pretrained(p), "auto") for p in (target, drafter)}
+    assert served["target"] == served["drafter"] == (torch.bfloat16 if declared == "bfloat16" else torch.float16)
