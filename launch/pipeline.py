@@ -260,8 +260,6 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = Path(cfg.run_dir)
     (run_dir / "pipeline").mkdir(parents=True, exist_ok=True)
     report_path = run_dir / "report.json"
-    earlier = json.loads(report_path.read_text()) if report_path.exists() else {}
-    report = {"stage_seconds": earlier.get("stage_seconds", {})}  # of the runs that made the current outputs
     prints = fingerprints(cfg)
     for stage in stages:
         if not commands[stage]:
@@ -278,10 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
             for cmd in commands[stage]:
                 print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
                 subprocess.run(cmd, check=True)
-        report["stage_seconds"][stage] = round(time.time() - start, 2)
         atomic_write_json(_record(cfg, stage), {"fingerprint": prints[stage], "commands": commands[stage],
-                                                "seconds": report["stage_seconds"][stage],
+                                                "seconds": round(time.time() - start, 2),
                                                 "config": cfg.model_dump(mode="json")})
+    # the times of the runs that made the current outputs, also those of earlier (resumed or killed) invocations
+    report = {"stage_seconds": {s: json.loads(_record(cfg, s).read_text())["seconds"]
+                                for s in STAGES if stage_done(cfg, s, prints)}}
     report = summarize(cfg, report, prints)
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}")

@@ -44,9 +44,13 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
     assert report["samples"] == 30 and report["features"]["rows"] == 30 and len(report["features"]["tokens_per_s_by_rank"]) == 2
     assert "deepspeed --num_gpus 1 --master_port" in first and report["train"]["steps"] == 3
 
+    (tmp_path / "run" / "report.json").unlink()  # as when an invocation is killed before it writes the report
     again = pipeline(config)
     assert "data: complete, inputs unchanged; skipped" in again and "extract: complete, inputs unchanged; skipped" in again
     assert "train: complete, inputs unchanged; skipped" in again
+    # each stage's time is the one of the run that made its output, whichever invocation that was
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["stage_seconds"] == report["stage_seconds"]
+    assert set(report["stage_seconds"]) == {"data", "extract", "train"}
 
     changed = pipeline(config, "--extract.dtype", "bfloat16")
     assert "data: complete, inputs unchanged; skipped" in changed and "-m extract" in changed
