@@ -116,6 +116,7 @@ def test_sglang_resolves_drafter_and_target_to_one_dtype(declared, tmp_path):
                 **({"dtype": declared} if declared else {})).save_pretrained(target)
     info = load_target_info(target)
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps(sglang_config(drafter_config(info, DrafterConfig(), 128, [0, 1, 2]))))
+    config = drafter_config(info, DrafterConfig(), 128, [0, 1, 2])
+    (drafter / "config.json").write_text(json.dumps(sglang_config(config)))
     served = {p.name: _get_and_verify_dtype(AutoConfig.from_pretrained(p), "auto") for p in (target, drafter)}
     assert served["target"] == served["drafter"] == (torch.bfloat16 if declared == "bfloat16" else torch.float16)
