@@ -3,7 +3,8 @@
     python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
                           [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--server-arg=--attention-backend=triton ...]
 
-Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
+Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes
+from its own config.json). Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then `--speculative-algorithm EAGLE3
 --speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
 `--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative mode
@@ -94,6 +95,29 @@ def _gpu_memory_used_mib() -> list[int]:
         return [int(x) for x in out.split()]
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return []
+
+
+def sglang_auto_dtype(declared: str | None) -> str:
+    """The dtype SGLang's `--dtype auto` serves a model in, from what its config.json declares (its
+    `_get_and_verify_dtype`, Gemma aside): float32 or nothing declared → float16."""
+    return "float16" if declared in (None, "float32") else declared
+
+
+def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> None:
+    """Fail before any server starts where SGLang would serve the drafter and the target in different dtypes: the
+    draft layer then gets mixed inputs and the EAGLE3 server dies capturing its CUDA graphs ("expected mat1 and
+    mat2 to have the same dtype"). An explicit --dtype sets both; an Eyrie export declares its target's dtype."""
+    if any(arg == "--dtype" or arg.startswith("--dtype=") for arg in server_args):
+        return
+    from data.target import load_target_info
+    raw = json.loads((Path(drafter) / "config.json").read_text())
+    declared = {"target": load_target_info(target).dtype, "drafter": raw.get("dtype") or raw.get("torch_dtype")}
+    served = {k: sglang_auto_dtype(v) for k, v in declared.items()}
+    if served["target"] != served["drafter"]:
+        raise SystemExit(f"{drafter}/config.json declares {declared['drafter']} and {target}/config.json "
+                         f"{declared['target']}: SGLang would serve the drafter in {served['drafter']} and the target "
+                         f"in {served['target']}, and the EAGLE3 server fails on the mixed dtypes. Pass "
+                         f"--server-arg=--dtype={served['drafter']} (or re-export the drafter for this target)")
 
 
 def server_command(port: int, args: list[str]) -> list[str]:
@@ -228,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from .decode import read_prompts
+    check_served_dtypes(a.target, a.drafter, a.server_arg)  # now, not after minutes of server start-up
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.target)

@@ -120,3 +120,5 @@ def test_sglang_resolves_drafter_and_target_to_one_dtype(declared, tmp_path):
     (drafter / "config.json").write_text(json.dumps(sglang_config(config)))
     served = {p.name: _get_and_verify_dtype(AutoConfig.from_pretrained(p), "auto") for p in (target, drafter)}
     assert served["target"] == served["drafter"] == (torch.bfloat16 if declared == "bfloat16" else torch.float16)
+    from serve.smoke import sglang_auto_dtype  # the smoke test's pre-flight check reads SGLang's rule alike
+    assert getattr(torch, sglang_auto_dtype(declared)) == served["target"]

@@ -48,6 +48,7 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
             "spec_accept_length_mean": accept}}
     monkeypatch.setattr(serve.smoke, "measured_once", canned)
     (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"dtype": "float32"}))  # as the target declares
     report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(tmp_path / "drafter"), "--limit", "2",
                                "--concurrency", "1,8", "--steps", "3,5", "--out", str(tmp_path / "out")])
     assert report["parity"] == 1.0 and report["eagle3_steps5"]["parity"] == 0.5
@@ -57,6 +58,19 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
     assert deeper["limited_by"].startswith("drafter quality") and deeper["most_tokens_per_cycle"] == 6
     assert json.loads((tmp_path / "out" / "report.json").read_text())["eagle3_steps5"]["verdict"]["1"].startswith(
         "does not pay")
+
+
+def test_mixed_served_dtypes_fail_before_any_server_starts(tiny_target, tmp_path):
+    from serve.smoke import check_served_dtypes
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))  # the target declares float32
+    with pytest.raises(SystemExit, match="drafter in bfloat16 and the target in float16.*--dtype=bfloat16"):
+        check_served_dtypes(str(tiny_target), str(drafter), ["--attention-backend=triton"])
+    check_served_dtypes(str(tiny_target), str(drafter), ["--dtype=bfloat16"])  # one dtype for both: fine
+    check_served_dtypes(str(tiny_target), str(drafter), ["--dtype", "float16"])
+    (drafter / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    check_served_dtypes(str(tiny_target), str(drafter), [])  # both served in float16
 
 
 def test_decode_graphs_cover_each_concurrency_in_few_sizes_and_a_users_list_wins():
