@@ -5,8 +5,8 @@
 
 Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes
 from its own config.json). Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then
-`--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps S --speculative-eagle-topk 1
---speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
+`--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps S
+--speculative-eagle-topk 1 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
 `--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative mode
 otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a timeout (large
 targets take minutes), sends the prompts at temperature 0 and reports output parity with the baseline, the accept
