@@ -31,6 +31,11 @@ class TargetInfo:
         return ids
 
 
+def declared_dtype(config: dict) -> str | None:
+    """The weight dtype a config.json declares: `dtype` (transformers 5) or the older `torch_dtype`."""
+    return config.get("dtype") or config.get("torch_dtype")
+
+
 def load_target_info(path: str | Path) -> TargetInfo:
     cfg_path = Path(path) / "config.json"
     try:
@@ -48,8 +53,7 @@ def load_target_info(path: str | Path) -> TargetInfo:
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text.get("max_position_embeddings", 0)),
             text_config=text,
-            dtype=str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype")
-                      or config.get("torch_dtype") or "float32"),
+            dtype=str(declared_dtype(text) or declared_dtype(config) or "float32"),
         )
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing {e.args[0]!r} (looked in text_config too)") from None

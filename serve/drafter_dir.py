@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from data.target import declared_dtype
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
 from train.mla import ARCH as MLA_ARCH
@@ -64,7 +65,7 @@ def sglang_config(config: LlamaConfig) -> dict:
     out = config.to_dict()
     rope = dict(out.get("rope_parameters") or {})
     # the target's declared dtype (train.drafter.drafter_config); both keys, for transformers 4 and 5 readers
-    dtype = out.get("dtype") or out.get("torch_dtype") or "bfloat16"
+    dtype = declared_dtype(out) or "bfloat16"
     out |= {"architectures": [MLA_ARCH if is_mla(config) else "LlamaForCausalLMEagle3"],
             # transformers must parse it: deepseek_v3 knows the MLA dims, llama the rest
             "model_type": "deepseek_v3" if is_mla(config) else "llama", "num_hidden_layers": 1,

@@ -3,20 +3,20 @@
     python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
                           [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--server-arg=--attention-backend=triton ...]
 
-Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes
-from its own config.json). Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then
+Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes from
+its own config.json). Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then
 `--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps S
---speculative-eagle-topk 1 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for MLA targets, and
-`--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in speculative mode
-otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a timeout (large
-targets take minutes), sends the prompts at temperature 0 and reports output parity with the baseline, the accept
-length from `meta_info` (`spec_accept_length`, or completion_tokens / spec_verify_ct on older versions), tokens/s
-single-stream and at each concurrency, a verdict per concurrency, and single-stream the break-even accept length
-(a verify cycle's cost in plain decode steps) that tells overhead from drafter quality. Servers are stopped by
-process group; the port and the GPU memory are checked released. `--steps 3,5` starts one EAGLE3 server per chain
-length (report keys `eagle3` for the first, `eagle3_steps5` for the others). Server logs, each server's
-measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run cut off by a
-time limit resumes at the next server) and report.json go to --out.
+--speculative-eagle-topk 1 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for
+MLA targets, and `--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in
+speculative mode otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a
+timeout (large targets take minutes), sends the prompts at temperature 0 and reports output parity with the
+baseline, the accept length from `meta_info` (`spec_accept_length`, or completion_tokens / spec_verify_ct on older
+versions), tokens/s single-stream and at each concurrency, a verdict per concurrency, and single-stream the
+break-even accept length (a verify cycle's cost in plain decode steps) that tells overhead from drafter quality.
+Servers are stopped by process group; the port and the GPU memory are checked released. `--steps 3,5` starts one
+EAGLE3 server per chain length (report keys `eagle3` for the first, `eagle3_steps5` for the others). Server logs,
+each server's measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run
+cut off by a time limit resumes at the next server) and report.json go to --out.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -109,9 +109,9 @@ def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> No
     mat2 to have the same dtype"). An explicit --dtype sets both; an Eyrie export declares its target's dtype."""
     if any(arg == "--dtype" or arg.startswith("--dtype=") for arg in server_args):
         return
-    from data.target import load_target_info
-    raw = json.loads((Path(drafter) / "config.json").read_text())
-    declared = {"target": load_target_info(target).dtype, "drafter": raw.get("dtype") or raw.get("torch_dtype")}
+    from data.target import declared_dtype, load_target_info
+    declared = {"target": load_target_info(target).dtype,
+                "drafter": declared_dtype(json.loads((Path(drafter) / "config.json").read_text()))}
     served = {k: sglang_auto_dtype(v) for k, v in declared.items()}
     if served["target"] != served["drafter"]:
         raise SystemExit(f"{drafter}/config.json declares {declared['drafter']} and {target}/config.json "
