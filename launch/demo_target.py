@@ -100,6 +100,12 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, lay
     return model
 
 
+# Fields of DeepSeek-V3's and Kimi-K2.5's config.json that SGLang's deepseek_v2 reads without a default and
+# transformers' DeepseekV3Config leaves out (without them the server dies: "'DeepseekV3Config' object has no
+# attribute 'moe_layer_freq'"). The values are the routing transformers' DeepseekV3 computes.
+DEEPSEEK_V3_SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
                         seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, rope_parameters: dict | None = None):
     """A randomly initialised DeepseekV3 (MLA attention, a dense first layer, then MoE layers): the Kimi-K2.5 /
@@ -115,7 +121,7 @@ def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, 
                               num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden // 2,
                               kv_lora_rank=hidden // 4, qk_nope_head_dim=head, qk_rope_head_dim=head,
                               v_head_dim=head, max_position_embeddings=1024, bos_token_id=bos_token_id,
-                              eos_token_id=eos_token_id, tie_word_embeddings=False,
+                              eos_token_id=eos_token_id, tie_word_embeddings=False, **DEEPSEEK_V3_SGLANG_FIELDS,
                               **({"rope_parameters": rope_parameters} if rope_parameters else {}))
     model = DeepseekV3ForCausalLM(config)
     model.save_pretrained(str(out_dir))

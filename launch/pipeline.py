@@ -212,19 +212,21 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     if stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run / "drafter"), str(run / "drafter-untrained")
-        decoded = ev["decode"]
+        decoded, offline = ev["decode"], ev["drafters"][str(run / "drafter")]
         report |= {
             "drafter_dir": trained,
             "accept_length": decoded[trained]["accept_length"],
             "accept_length_untrained": decoded[untrained]["accept_length"],
             "lossless": decoded[trained]["identical_to_greedy"] and decoded[untrained]["identical_to_greedy"],
-            "offline_accept_length": ev["drafters"][trained]["accept_length_by_steps"][DECODE_STEPS - 1],
+            "offline_accept_length": offline["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
             "accept_length_formula": f"reference decoder, chain {DECODE_STEPS} steps / top-k 1 / "
                                      f"{DECODE_STEPS + 1} draft tokens, greedy, {len(decoded[trained]['prompts'])} "
                                      "held-out prompts: completion tokens / target verify steps (SGLang's "
-                                     f"spec_accept_length); offline: tau({DECODE_STEPS}) on held-out features",
-            "offline_accept_length_by_steps": [round(x, 3) for x in ev["drafters"][trained]["accept_length_by_steps"]],
-            "offline_alpha_by_position": [round(x, 3) for x in ev["drafters"][trained]["alpha_by_position"]],
+                                     "spec_accept_length); offline: the same prompts' stored answers decoded on "
+                                     "their features (serve.evaluate's 'prompts'); tau: mean over held-out positions",
+            "offline_tau_by_steps": [round(x, 3) for x in offline["accept_length_by_steps"]],
+            "offline_decoded_accept_length_by_steps": [round(x, 3) for x in offline["decoded_accept_length_by_steps"]],
+            "offline_alpha_by_position": [round(x, 3) for x in offline["alpha_by_position"]],
             "speedup_wall_clock": {"value": decoded[trained]["speedup_wall_clock"], "device": decoded[trained]["device"]}}
     if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())

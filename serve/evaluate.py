@@ -36,18 +36,65 @@ from train.metrics import score
 from .drafter_dir import DrafterDirError, load_drafter
 
 
+def answer_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of loss-carrying tokens: one assistant answer each, generated after a prefill."""
+    edges = np.diff(np.concatenate([[0], loss_mask.astype(np.int8), [0]]))
+    return list(zip(np.nonzero(edges == 1)[0].tolist(), np.nonzero(edges == -1)[0].tolist()))
+
+
+def walk(depth: np.ndarray, start: int, end: int, steps: int) -> tuple[int, int]:
+    """(tokens emitted, target verify steps) decoding positions start..end-1 as SGLang does with chain drafting:
+    the prefill emits x[start]; after x[t+1] is verified, the chain drafted at t has depth[t] drafts accepted in a
+    row, so the verify emits min(depth[t], steps) + 1 tokens and decoding goes on from there. A verify that runs
+    past `end` (the answer's end or max_new_tokens) still counts, as in serving."""
+    tokens, verifies, last = 1, 0, start
+    while last < end - 1:
+        accepted = min(int(depth[last - 1]), steps)
+        tokens += min(accepted + 1, end - 1 - last)
+        verifies += 1
+        last += accepted + 1
+    return tokens, verifies
+
+
+def decoded_accept_lengths(answers: list[tuple[np.ndarray, int, int]], steps: int) -> list[float]:
+    """Accept length for 1..steps draft steps by walking each answer (depth, start, end) as a decoder would:
+    completion tokens / verify steps summed over answers. It weighs positions as decoding does (a hard stretch
+    takes many verify steps for few tokens), where tau(k) averages chains over every position."""
+    out = []
+    for k in range(1, steps + 1):
+        walked = [walk(depth, start, end, k) for depth, start, end in answers]
+        out.append(sum(t for t, _ in walked) / max(sum(v for _, v in walked), 1))
+    return out
+
+
 def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int]], teacher: Teacher,
-               steps: int, device: torch.device, dtype: torch.dtype) -> dict:
-    reduced = score(drafter, data, batches, teacher, steps, 1.0, device, dtype).reduce()
+               steps: int, device: torch.device, dtype: torch.dtype, prompt_rows: list[int],
+               max_new: int) -> dict:
+    per_row: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # feature row -> (depth, loss mask)
+
+    def keep(indices: list[int], batch, result) -> None:
+        for r, i in enumerate(indices):
+            n = int(batch.lengths[r])
+            per_row[i] = (result.depth[r, :n].cpu().numpy(), batch.loss_mask[r, :n].cpu().numpy())
+    reduced = score(drafter, data, batches, teacher, steps, 1.0, device, dtype, keep).reduce()
     p = [reduced[f"p_accepted_through_step{j}"] for j in range(steps)]
     alpha = [p[0]] + [p[j] / p[j - 1] if p[j - 1] else 0.0 for j in range(1, steps)]
     tau = [1.0 + sum(p[:k]) for k in range(1, steps + 1)]
+    every_answer = [(depth, *span) for depth, mask in per_row.values() for span in answer_spans(mask)]
+    first_answers = []  # of the prompts serve.decode and serve.smoke use, cut at their max_new_tokens
+    for i in prompt_rows:
+        depth, mask = per_row[i]
+        start, end = answer_spans(mask)[0]
+        first_answers.append((depth, start, min(end, start + max_new)))
     return {"chains": int(reduced["chains"]), "p_accepted_through": p, "alpha_by_position": alpha,
-            "accept_length_by_steps": tau}
+            "accept_length_by_steps": tau, "decoded_accept_length_by_steps": decoded_accept_lengths(every_answer, steps),
+            "prompts": {"count": len(first_answers), "max_new_tokens": max_new,
+                        "decoded_accept_length_by_steps": decoded_accept_lengths(first_answers, steps)}}
 
 
 def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,
-             draft_cost: float = 0.05, max_batch_tokens: int = 8192, eval_fraction: float | None = None) -> dict:
+             draft_cost: float = 0.05, max_batch_tokens: int = 8192, eval_fraction: float | None = None,
+             prompts: int = 16, max_new: int = 64) -> dict:
     run_dir = Path(run_dir)
     features = read_manifest(run_dir / "features")
     config = json.loads((run_dir / "train" / "summary.json").read_text())["config"] \
@@ -56,6 +103,8 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     fraction = eval_fraction if eval_fraction is not None else (config["train"]["eval_fraction"] if config else 0.05)
     data = FeatureData(run_dir / "features", fraction, max_batch_tokens, seed=0, rank=0, world=1)
     picked = data.eval_idx if split == "eval" else np.arange(len(data.ds))
+    row_of = {data.ds[int(i)].sample_id: int(i) for i in picked}
+    prompt_rows = [row_of[c] for c, _ in held_out_conversations(run_dir, prompts) if c in row_of] if config else []
     batches = length_grouped_batches(data.lengths, picked, max_batch_tokens, None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -64,7 +113,11 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
               "draft_cost": draft_cost, "formulas": {
                   "alpha_j": "P(draft j accepted | drafts < j accepted)",
                   "accept_length(k)": "1 + sum_{j<k} P(drafts 0..j accepted) = tokens per target verify step",
-                  "speedup(k)": "accept_length(k) / (1 + k * draft_cost)"}, "drafters": {}}
+                  "speedup(k)": "accept_length(k) / (1 + k * draft_cost)",
+                  "decoded_accept_length(k)": "completion tokens / verify steps decoding each answer from its "
+                                              "first token, each verify emitting the drafts its chain got right + 1",
+                  "prompts": f"the first {prompts} held-out prompts' first answers, cut at {max_new} tokens: "
+                             "the prompts serve.decode and serve.smoke decode"}, "drafters": {}}
     for path in drafters:
         model = load_drafter(path, target, device, dtype)
         ids = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
@@ -73,40 +126,49 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
                                   f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
         teacher = Teacher.from_target(target, info.text_config, features["meta"]["final_hidden"], model.t2d, device,
                                       dtype)
-        result = acceptance(model, data, batches, teacher, steps, device, dtype)
+        result = acceptance(model, data, batches, teacher, steps, device, dtype, prompt_rows, max_new)
         result["speedup_by_steps"] = [t / (1 + (k + 1) * draft_cost)
                                       for k, t in enumerate(result["accept_length_by_steps"])]
         report["drafters"][str(path)] = result
     return report
 
 
-def held_out_prompts(run_dir: str | Path, n: int) -> list[list[dict]]:
-    """First user turns of up to n conversations the drafter did not train on (the eval split's ids)."""
+def held_out_conversations(run_dir: str | Path, n: int) -> list[tuple[str, list[dict]]]:
+    """(id, first user turn) of up to n conversations the drafter did not train on (the eval split's ids)."""
     from data.conversations import SkipReport, load_conversations
     from train.loader import held_out
 
     from .decode import first_turn
     config = json.loads((Path(run_dir) / "train" / "summary.json").read_text())["config"]
-    prompts = []
+    out = []
     for conv in load_conversations(config["data"]["inputs"], SkipReport(), skip_malformed=True):
-        if held_out(conv.id, config["train"]["eval_fraction"]):
-            prompts.append(first_turn(conv.messages))
-        if len(prompts) == n:
+        if len(out) == n:
             break
-    return prompts
+        if held_out(conv.id, config["train"]["eval_fraction"]):
+            out.append((conv.id, first_turn(conv.messages)))
+    return out
+
+
+def held_out_prompts(run_dir: str | Path, n: int) -> list[list[dict]]:
+    """First user turns of up to n conversations the drafter did not train on: the prompts serve.decode and
+    serve.smoke decode."""
+    return [messages for _, messages in held_out_conversations(run_dir, n)]
 
 
 def print_table(report: dict) -> None:
     names = list(report["drafters"])
-    print(f"{report['samples']} samples ({report['split']}), chain drafting, top-k 1; "
-          f"speedup = accept_length / (1 + steps x {report['draft_cost']})")
-    print(f"{'steps':>5} " + " ".join(f"{'alpha':>7} {'accept':>7} {'speedup':>7}" for _ in names))
+    print(f"{report['samples']} samples ({report['split']}), chain drafting, top-k 1; accept = tau(k) over "
+          f"positions, decoded = walked answer by answer, prompts = decoded on {report['formulas']['prompts']}; "
+          f"speedup = accept / (1 + steps x {report['draft_cost']})")
+    print(f"{'steps':>5} " + " ".join(f"{'alpha':>7} {'accept':>7} {'decoded':>7} {'prompts':>7} {'speedup':>7}"
+                                      for _ in names))
     for k in range(report["steps"]):
         cells = []
         for n in names:
             r = report["drafters"][n]
             cells.append(f"{r['alpha_by_position'][k]:7.3f} {r['accept_length_by_steps'][k]:7.3f} "
-                         f"{r['speedup_by_steps'][k]:7.3f}")
+                         f"{r['decoded_accept_length_by_steps'][k]:7.3f} "
+                         f"{r['prompts']['decoded_accept_length_by_steps'][k]:7.3f} {r['speedup_by_steps'][k]:7.3f}")
         print(f"{k + 1:>5} " + " ".join(cells))
     for i, n in enumerate(names):
         print(f"  drafter {i + 1}: {n}")
@@ -140,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also run the reference speculative decoder (serve.decode) on N held-out prompts")
     p.add_argument("--decode-steps", type=int, default=3)
     a = p.parse_args(argv)
-    report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost)
+    report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost, prompts=a.decode or 16)
     out = Path(a.out or Path(a.run) / "evaluate")
     out.mkdir(parents=True, exist_ok=True)
     if a.decode:

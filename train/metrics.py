@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .loader import Batch
 from .ttt import TTTResult, accept_length, ttt_unroll
 
 
@@ -49,14 +51,17 @@ class TTTStats:
 
 @torch.no_grad()
 def score(model, data, batches: list[list[int]], teacher, steps: int, decay: float, device: torch.device,
-          dtype: torch.dtype) -> TTTStats:
-    """The TTT unroll over some batches without training: eval during training and offline evaluation."""
+          dtype: torch.dtype, visit: Callable[[list[int], Batch, TTTResult], None] | None = None) -> TTTStats:
+    """The TTT unroll over some batches without training: eval during training and offline evaluation (which
+    `visit`s each batch's per-position results)."""
     stats = TTTStats(steps, decay)
     for indices in batches:
         b = data.collate(indices).to(device, dtype)
         r = ttt_unroll(model, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden), steps,
                        decay)
         stats.add(r, b.tokens, b.padded)
+        if visit:
+            visit(indices, b, r)
     return stats
 
 

@@ -151,6 +151,7 @@ class TTTResult:
     alive: torch.Tensor          # [k] chains whose drafts 0..j were all accepted (a chain starts at every
                                  #     position scored at step 0)
     chains: torch.Tensor         # number of chains
+    depth: torch.Tensor          # [B, T] drafts accepted in a row by the chain at each position (offline decoding walks)
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -171,6 +172,7 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     total = aux_hidden.new_zeros((), dtype=torch.float32)
     step_loss, correct, counted, alive = [], [], [], []
     chain = first = None
+    depth = torch.zeros(B, T, dtype=torch.int8, device=device)
     for j in range(steps):
         out = model(_shift(input_ids, j + 1), hidden, positions + j, past)
         hidden, past = out.hidden, past + [(out.key, out.value)]
@@ -186,12 +188,13 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
             hit = (drafter.to_target_ids(draft) == _shift(teacher.target_ids, j + 1)) & scored
             first = scored if first is None else first
             chain = hit if chain is None else chain & hit
+            depth += chain
             step_loss.append(loss_j.detach())
             correct.append(hit.sum())
             counted.append(scored.sum())
             alive.append(chain.sum())
     return TTTResult(total, torch.stack(step_loss), torch.stack(correct), torch.stack(counted),
-                     torch.stack(alive), first.sum())
+                     torch.stack(alive), first.sum(), depth)
 
 
 def accept_length(accepted: float, chains: float) -> float:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.shards import MANIFEST, ShardDataset, ShardError
-from launch.demo_target import make_conversations
+from launch.demo_target import DEEPSEEK_V3_SGLANG_FIELDS, make_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [0, 1, 2]
@@ -27,7 +27,8 @@ def build_deepseek(out: Path, tok) -> None:
                            num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
                            n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
                            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                           max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                           max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           **DEEPSEEK_V3_SGLANG_FIELDS)
     DeepseekV3ForCausalLM(cfg).save_pretrained(str(out))
     tok.save_pretrained(str(out))
 

@@ -94,3 +94,22 @@ def test_runner_group_forms_under_torchrun(mode, tmp_path):
     else:  # the failure the GPU machine hit (there for SGLang's 10 minutes), shortened to 5 s
         assert out.returncode != 0 and "group ready" not in out.stdout
         assert "TCP client failed to connect" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_the_tiny_deepseek_target_declares_every_field_sglangs_deepseek_v2_reads(tmp_path):
+    """SGLang's DeepseekV2 model (which serves DeepseekV3 and Kimi-K2.5) reads `config.X` for fields transformers'
+    DeepseekV3Config does not write; the H200 server died on the first ('moe_layer_freq') before this."""
+    import re
+
+    import sglang
+    from transformers import AutoConfig
+
+    from launch.demo_target import build_tiny_deepseek
+    build_tiny_deepseek(tmp_path, vocab_size=64, hidden=32, layers=2)
+    config = AutoConfig.from_pretrained(tmp_path)
+    source = (Path(sglang.__file__).parent / "srt" / "models" / "deepseek_v2.py").read_text()
+    read = set(re.findall(r"(?<![\w.])(?:self\.)?config\.([a-z_]+)\b(?!\()", source))
+    guarded = {"rope_theta", "quantization_config"}  # read only where rope_parameters / quantization are absent
+    assert read - guarded - set(dir(config)) == set()
+    assert {"moe_layer_freq", "topk_method", "scoring_func"} <= read
