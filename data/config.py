@@ -135,6 +135,9 @@ class ServeConfig(Section):
     server_args: list[str] = Field([], description="extra sglang.launch_server arguments, e.g. --attention-backend=triton")
     timeout_s: float = Field(900, gt=0, description="seconds to wait for each server to become ready")
     extra_steps: list[int] = Field([], description="deeper EAGLE3 chains also measured (one server each), e.g. [5]")
+    deterministic_parity: bool = Field(
+        False, description="also serve plain and EAGLE3 with --enable-deterministic-inference (single-stream) and "
+                           "report their output parity: tells bf16 near-ties from a speculation bug")
 
 
 class LaunchConfig(Section):

@@ -150,7 +150,8 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
         return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run / "drafter"),
                  "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", steps,
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
-                 *[f"--server-arg={a}" for a in sv.server_args]]]
+                 *[f"--server-arg={a}" for a in sv.server_args],
+                 *(["--deterministic-parity"] if sv.deterministic_parity else [])]]
     if stage == "regenerate":
         return [[sys.executable, "-m", "data.regenerate", "--config", config, *overrides]] \
             if cfg.data.regenerate.enabled else []
@@ -212,7 +213,7 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     if stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run / "drafter"), str(run / "drafter-untrained")
-        decoded, offline = ev["decode"], ev["drafters"][str(run / "drafter")]
+        decoded, offline = ev["decode"], ev["drafters"][trained]
         report |= {
             "drafter_dir": trained,
             "accept_length": decoded[trained]["accept_length"],
@@ -233,7 +234,8 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
         report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
                             "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
                                              "eagle3": smoke["eagle3"]["tokens_per_s"]}, "verdict": smoke["verdict"],
-                            "single_stream": smoke["eagle3"].get("single_stream")}
+                            "single_stream": smoke["eagle3"].get("single_stream"),
+                            "deterministic": smoke.get("deterministic")}
     return report
 
 

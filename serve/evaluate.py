@@ -84,8 +84,10 @@ def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int
     first_answers = []  # of the prompts serve.decode and serve.smoke use, cut at their max_new_tokens
     for i in prompt_rows:
         depth, mask = per_row[i]
-        start, end = answer_spans(mask)[0]
-        first_answers.append((depth, start, min(end, start + max_new)))
+        spans = answer_spans(mask)
+        if spans:  # an answer truncated away by data.max_length leaves none
+            start, end = spans[0]
+            first_answers.append((depth, start, min(end, start + max_new)))
     return {"chains": int(reduced["chains"]), "p_accepted_through": p, "alpha_by_position": alpha,
             "accept_length_by_steps": tau, "decoded_accept_length_by_steps": decoded_accept_lengths(every_answer, steps),
             "prompts": {"count": len(first_answers), "max_new_tokens": max_new,

@@ -16,7 +16,9 @@ break-even accept length (a verify cycle's cost in plain decode steps) that tell
 Servers are stopped by process group; the port and the GPU memory are checked released. `--steps 3,5` starts one
 EAGLE3 server per chain length (report keys `eagle3` for the first, `eagle3_steps5` for the others). Server logs,
 each server's measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run
-cut off by a time limit resumes at the next server) and report.json go to --out.
+cut off by a time limit resumes at the next server) and report.json go to --out. `--deterministic-parity` adds a
+plain and an EAGLE3 server with SGLang's batch-invariant kernels, single-stream: parity there, where the default
+kernels let a bf16 near-tie differ between a 1-token decode and a k-token verify, tells such ties from a bug.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
@@ -225,7 +227,7 @@ def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency:
     for c in concurrency:
         if c == 1:
             continue
-        # 4c requests, at least 4 per prompt: at 2c the mission's c=8 window was 0.2-0.5 s, too short to time
+        # 4c requests, at least 4 per prompt: at 2c the mission's c=8 windows were 0.2-0.6 s, too short to time
         n = max(4 * c, 4 * len(prompts))
         batch = (prompts * (n // len(prompts) + 1))[:n]
         with ThreadPoolExecutor(c) as pool:  # untimed warm-up: kernels built for this batch size are not timed
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
     p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeat)")
+    p.add_argument("--deterministic-parity", action="store_true",
+                   help="also serve plain and EAGLE3 (first chain length) with --enable-deterministic-inference, "
+                        "single-stream, and report their parity: a bf16 near-tie or a speculation bug")
     p.add_argument("--out", default="smoke")
     a = p.parse_args(argv)
     steps = [int(n) for n in a.steps.split(",")]
@@ -285,9 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": steps, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": _gpu_memory_used_mib()}
     spec_names = ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
-    servers = [("baseline", common)] + [(name, common + eagle(n)) for name, n in zip(spec_names, steps)]
-    for name, args in servers:
-        key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, concurrency,
+    servers = [("baseline", common, concurrency)] + \
+        [(name, common + eagle(n), concurrency) for name, n in zip(spec_names, steps)]
+    if a.deterministic_parity:  # batch-invariant kernels: a 4-token verify computes what a 1-token decode does
+        deterministic = ["--enable-deterministic-inference"]
+        servers += [("baseline_deterministic", common + deterministic, [1]),
+                    ("eagle3_deterministic", common + eagle(steps[0]) + deterministic, [1])]
+    for name, args, levels in servers:
+        key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, levels,
                          a.drafter if a.drafter in args else None)
 
         def serve_and_measure() -> dict:
@@ -295,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
             result = {"command": " ".join(server.cmd)}
             try:
                 result["ready_s"] = server.wait_ready()
-                result["measured"] = measure(server, prompts, a.max_new_tokens, concurrency)
+                result["measured"] = measure(server, prompts, a.max_new_tokens, levels)
             finally:
                 result["stopped"] = server.stop()
             return result
@@ -304,9 +314,14 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{name}_stopped": result["stopped"], f"{name}_command": result["command"]}
     base, spec = report["baseline"], report["eagle3"]
 
-    def parity(run: dict) -> float:  # share of prompts whose output equals the baseline's
-        return sum(x == y for x, y in zip(base["texts"], run["texts"])) / len(prompts)
+    def parity(run: dict, baseline: dict = base) -> float:  # share of prompts whose output equals the baseline's
+        return sum(x == y for x, y in zip(baseline["texts"], run["texts"])) / len(prompts)
     report["parity"] = parity(spec)
+    if a.deterministic_parity:
+        det = report["eagle3_deterministic"]
+        report["deterministic"] = {"parity": parity(det, report["baseline_deterministic"]),
+                                   "accept_length": det["accept_length"],
+                                   "baseline_parity_with_default_kernels": parity(report["baseline_deterministic"])}
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
     for name, n in zip(spec_names, steps):
         measured = report[name]
@@ -328,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
               f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
               f"(measured {costs['accept_length']:.2f}, at most {n + 1}); limited by {costs['limited_by']}")
+    if "deterministic" in report:
+        det = report["deterministic"]
+        print(f"--enable-deterministic-inference, {steps[0]} steps: parity with its plain server {det['parity']:.0%}, "
+              f"accept length {det['accept_length']:.3f}; its plain output = the default plain output on "
+              f"{det['baseline_parity_with_default_kernels']:.0%}")
     for n in steps[1:]:
         deeper = report[f"eagle3_steps{n}"]
         print(f"{n} steps: accept length {deeper['accept_length']}, parity {deeper['parity']:.0%}, "

@@ -39,7 +39,9 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
     import serve.smoke
     measured = {"baseline": ({1: 500.0, 8: 2000.0}, None, ["a", "b"]),
                 "eagle3": ({1: 600.0, 8: 1500.0}, 2.5, ["a", "b"]),
-                "eagle3_steps5": ({1: 450.0, 8: 1000.0}, 3.0, ["a", "c"])}
+                "eagle3_steps5": ({1: 450.0, 8: 1000.0}, 3.0, ["a", "c"]),
+                "baseline_deterministic": ({1: 400.0}, None, ["a", "d"]),
+                "eagle3_deterministic": ({1: 420.0}, 2.4, ["a", "d"])}
 
     def canned(path, key, serve_and_measure):
         tokens_per_s, accept, texts = measured[path.stem.removeprefix("server-")]
@@ -50,8 +52,11 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "config.json").write_text(json.dumps({"dtype": "float32"}))  # as the target declares
     report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(tmp_path / "drafter"), "--limit", "2",
-                               "--concurrency", "1,8", "--steps", "3,5", "--out", str(tmp_path / "out")])
+                               "--concurrency", "1,8", "--steps", "3,5", "--out", str(tmp_path / "out"),
+                               "--deterministic-parity"])
     assert report["parity"] == 1.0 and report["eagle3_steps5"]["parity"] == 0.5
+    # EAGLE3 compared with the plain server of the same kernels
+    assert report["deterministic"] == {"parity": 1.0, "accept_length": 2.4, "baseline_parity_with_default_kernels": 0.5}
     assert report["verdict"] == {1: "pays (1.20x)", 8: "does not pay (0.75x)"}
     assert report["eagle3"]["single_stream"]["break_even_accept_length"] == pytest.approx(2.083, abs=1e-3)
     deeper = report["eagle3_steps5"]["single_stream"]  # 6.67 ms a cycle = 3.33 decode steps, under the 6 it emits
