@@ -309,7 +309,14 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 result["stopped"] = server.stop()
             return result
-        result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
+        try:
+            result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
+        except (RuntimeError, TimeoutError) as e:
+            if not name.endswith("_deterministic"):
+                raise
+            # an extra check, not the measurement: the report keeps what the other servers measured
+            report.setdefault("deterministic", {"error": f"{name}: {str(e)[-2000:]}"})
+            continue
         report |= {f"{name}_ready_s": result["ready_s"], name: result["measured"],
                    f"{name}_stopped": result["stopped"], f"{name}_command": result["command"]}
     base, spec = report["baseline"], report["eagle3"]
@@ -317,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     def parity(run: dict, baseline: dict = base) -> float:  # share of prompts whose output equals the baseline's
         return sum(x == y for x, y in zip(baseline["texts"], run["texts"])) / len(prompts)
     report["parity"] = parity(spec)
-    if a.deterministic_parity:
+    if a.deterministic_parity and "deterministic" not in report:
         det = report["eagle3_deterministic"]
         report["deterministic"] = {"parity": parity(det, report["baseline_deterministic"]),
                                    "accept_length": det["accept_length"],
@@ -343,7 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
               f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
               f"(measured {costs['accept_length']:.2f}, at most {n + 1}); limited by {costs['limited_by']}")
-    if "deterministic" in report:
+    if "error" in report.get("deterministic", {}):
+        print(f"--enable-deterministic-inference: no parity check, {report['deterministic']['error'][:300]}")
+    elif "deterministic" in report:
         det = report["deterministic"]
         print(f"--enable-deterministic-inference, {steps[0]} steps: parity with its plain server {det['parity']:.0%}, "
               f"accept length {det['accept_length']:.3f}; its plain output = the default plain output on "

@@ -64,6 +64,18 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
     assert json.loads((tmp_path / "out" / "report.json").read_text())["eagle3_steps5"]["verdict"]["1"].startswith(
         "does not pay")
 
+    # a deterministic server that does not start costs the check, not the report
+    def failing(path, key, serve_and_measure):
+        if path.stem == "server-eagle3_deterministic":
+            raise RuntimeError("server exited with 1; log ...: deterministic inference needs ...")
+        return canned(path, key, serve_and_measure)
+    monkeypatch.setattr(serve.smoke, "measured_once", failing)
+    report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(tmp_path / "drafter"), "--limit", "2",
+                               "--concurrency", "1,8", "--steps", "3,5", "--out", str(tmp_path / "out"),
+                               "--deterministic-parity"])
+    assert report["deterministic"]["error"].startswith("eagle3_deterministic: server exited with 1")
+    assert report["verdict"] == {1: "pays (1.20x)", 8: "does not pay (0.75x)"}
+
 
 def test_mixed_served_dtypes_fail_before_any_server_starts(tiny_target, tmp_path):
     from serve.smoke import check_served_dtypes
