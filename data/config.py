@@ -72,6 +72,9 @@ class ExtractConfig(Section):
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward (batch x longest sample)")
     samples_per_shard: int = Field(256, ge=1, description="samples per output shard (the unit of resume)")
     verify_resume: bool = Field(True, description="re-hash completed shards before skipping them")
+    aux_encoding: Literal["raw", "fp8_e4m3_rowscale"] = Field(
+        "raw", description="aux states on disk: raw (dtype, lossless) or fp8 e4m3 with a scale per token and layer "
+                           "(~0.5x bf16's bytes, encoded on the GPU before the copy; the final state stays raw)")
 
 
 class DrafterConfig(Section):

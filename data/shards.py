@@ -5,11 +5,11 @@ A dataset is a directory: `manifest.json` plus shards `*.arrow`. One shard is on
   sample_id     string
   input_ids     list<int32>
   loss_mask     list<uint8>       1 = an assistant token that carries loss
-  aux_hidden    large_binary      [T, len(aux_layer_ids) * H] in `aux_encoding`   (features shards only)
+  aux_hidden    large_binary      [T, len(aux_layer_ids) * H] in `aux_encoding` (data/aux_codec.py; features only)
   final_hidden  large_binary      [T, H] in `dtype`, see `final_hidden` in the meta (features shards only)
 Raw little-endian tensor bytes keep bf16 lossless and let readers view them without a copy.
 The schema metadata (key b"eyrie", JSON) carries schema_version, kind, target id and config hash, aux layer
-ids (SGLang convention), hidden size, dtype and encodings; new encodings (fp8 aux states, top-k teacher)
+ids (SGLang convention), hidden size, dtype and encodings; new encodings (fp8 aux states, a top-k teacher)
 are new metadata values and optional columns, not a new layout.
 
 Writers write to a temporary name, fsync and rename, so a killed writer never leaves a shard that looks
@@ -29,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 import xxhash
+
+from . import aux_codec
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -58,7 +60,7 @@ class ShardMeta:
     aux_layer_ids: list[int] = field(default_factory=list)  # SGLang convention: output of decoder layer i
     hidden_size: int = 0
     dtype: str = "bfloat16"               # of final_hidden (and aux_hidden when aux_encoding == "raw")
-    aux_encoding: str = "raw"             # "raw" = `dtype`; room for "fp8_e4m3_rowscale" later
+    aux_encoding: str = "raw"             # "raw" = `dtype`, or "fp8_e4m3_rowscale" (data/aux_codec.py)
     final_hidden: str = ""                # "post_norm" (after the target's final norm) or "pre_norm"
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # producer details that need not match
@@ -121,10 +123,14 @@ def _binary_array(data: pa.Buffer, row_bytes: np.ndarray) -> pa.Array:
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(row_bytes), [None, pa.py_buffer(offsets), data])
 
 
-def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, width: int, name: str, sample_id: str) -> memoryview:
+def _checked(t: torch.Tensor, dtype: torch.dtype, width: int, name: str, sample_id: str) -> torch.Tensor:
     if t.dtype != dtype or t.dim() != 2 or t.shape[1] != width:
         raise ShardError(f"sample {sample_id}: {name} must be [T, {width}] {dtype}, got {list(t.shape)} {t.dtype}")
-    t = t.detach().to("cpu").contiguous()
+    return t
+
+
+def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, width: int, name: str, sample_id: str) -> memoryview:
+    t = _checked(t, dtype, width, name, sample_id).detach().to("cpu").contiguous()
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
@@ -142,6 +148,17 @@ class ShardWriter:
         self.rows = self.tokens = self.loss_tokens = 0
         self._dtype = DTYPES[meta.dtype]
         self._aux_width = len(meta.aux_layer_ids) * meta.hidden_size
+        self._aux_row_bytes = aux_codec.row_bytes(meta.aux_encoding, len(meta.aux_layer_ids), meta.hidden_size,
+                                                  self._dtype)
+
+    def _aux_bytes(self, aux_hidden: torch.Tensor, what: str) -> memoryview:
+        """The aux states as stored: raw, or fp8 codes (encoded here unless the caller passed them encoded)."""
+        if self.meta.aux_encoding == "raw":
+            return _tensor_bytes(aux_hidden, self._dtype, self._aux_width, "aux_hidden", what)
+        if aux_hidden.dtype != torch.uint8:
+            aux_hidden = aux_codec.encode_fp8(
+                _checked(aux_hidden, self._dtype, self._aux_width, "aux_hidden", what), len(self.meta.aux_layer_ids))
+        return _tensor_bytes(aux_hidden, torch.uint8, self._aux_row_bytes, "encoded aux_hidden", what)
 
     def write(self, sample_id: str, input_ids, loss_mask, aux_hidden: torch.Tensor | None = None,
               final_hidden: torch.Tensor | None = None) -> None:
@@ -153,9 +170,9 @@ class ShardWriter:
         if self.meta.kind == "features":
             if aux_hidden is None or final_hidden is None:
                 raise ShardError(f"sample {sample_id}: a features shard needs aux_hidden and final_hidden")
-            aux = _tensor_bytes(aux_hidden, self._dtype, self._aux_width, "aux_hidden", sample_id)
+            aux = self._aux_bytes(aux_hidden, sample_id)
             fin = _tensor_bytes(final_hidden, self._dtype, self.meta.hidden_size, "final_hidden", sample_id)
-            if aux.nbytes != len(ids) * self._aux_width * self._dtype.itemsize or aux_hidden.shape[0] != len(ids) \
+            if aux.nbytes != len(ids) * self._aux_row_bytes or aux_hidden.shape[0] != len(ids) \
                     or final_hidden.shape[0] != len(ids):
                 raise ShardError(f"sample {sample_id}: hidden states must have one row per token ({len(ids)})")
             row += (aux, fin)
@@ -196,7 +213,7 @@ class ShardWriter:
             raise ShardError(f"{self.path}: write_packed writes features shards, this one is {self.meta.kind}")
         lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
         what = f"samples {sample_ids[0]}..{sample_ids[-1]}"
-        aux = _tensor_bytes(aux_hidden, self._dtype, self._aux_width, "aux_hidden", what)
+        aux = self._aux_bytes(aux_hidden, what)
         fin = _tensor_bytes(final_hidden, self._dtype, self.meta.hidden_size, "final_hidden", what)
         if aux_hidden.shape[0] != lengths.sum() or final_hidden.shape[0] != lengths.sum():
             raise ShardError(f"{what}: hidden states must have one row per token ({lengths.sum()})")
@@ -205,7 +222,7 @@ class ShardWriter:
         arrays = [pa.array(sample_ids, pa.string()),
                   pa.array([np.asarray(x, dtype=np.int32) for x in input_ids], pa.list_(pa.int32())),
                   pa.array(masks, pa.list_(pa.uint8())),
-                  _binary_array(pa.py_buffer(aux), lengths * self._aux_width * self._dtype.itemsize),
+                  _binary_array(pa.py_buffer(aux), lengths * self._aux_row_bytes),
                   _binary_array(pa.py_buffer(fin), lengths * self.meta.hidden_size * self._dtype.itemsize)]
         self._write_batch(arrays)
         self.rows += len(sample_ids)
@@ -254,7 +271,7 @@ class Sample:
 
 
 class ShardReader:
-    """Memory-maps one shard; `reader[i]` is O(1) and its tensors are views of the map, not copies."""
+    """Memory-maps one shard; `reader[i]` is O(1) and its tensors are views of the map (fp8 aux states: decoded)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -274,7 +291,7 @@ class ShardReader:
         if self.meta.schema_version != SCHEMA_VERSION:
             raise ShardError(f"{self.path}: schema version {self.meta.schema_version}, this reader knows "
                              f"{SCHEMA_VERSION}")
-        if self.meta.aux_encoding != "raw" or self.meta.dtype not in DTYPES:
+        if self.meta.aux_encoding not in aux_codec.ENCODINGS or self.meta.dtype not in DTYPES:
             raise ShardError(f"{self.path}: encoding {self.meta.aux_encoding}/{self.meta.dtype} is not supported by "
                              "this reader")
         self._dtype = DTYPES[self.meta.dtype]
@@ -297,13 +314,18 @@ class ShardReader:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _tensor(self, view: tuple, r: int, width: int) -> torch.Tensor:
+    def _tensor(self, view: tuple, r: int, width: int, encoding: str = "raw") -> torch.Tensor:
         offsets, data = view
         start, end = int(offsets[r]), int(offsets[r + 1])
         if end == start:
             return torch.empty(0, width, dtype=self._dtype)
-        raw = np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start)
-        return torch.from_numpy(raw).view(self._dtype).view(-1, width)
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start))
+        if encoding == "raw":
+            return raw.view(self._dtype).view(-1, width)
+        n_aux = len(self.meta.aux_layer_ids)
+        return aux_codec.decode_fp8(raw.view(-1, aux_codec.row_bytes(encoding, n_aux, self.meta.hidden_size,
+                                                                      self._dtype)),
+                                    n_aux, self.meta.hidden_size, self._dtype)
 
     def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < len(self):
@@ -316,7 +338,7 @@ class ShardReader:
         aux = fin = None
         if "aux_hidden" in v:
             h = self.meta.hidden_size
-            aux = self._tensor(v["aux_hidden"], r, len(self.meta.aux_layer_ids) * h)
+            aux = self._tensor(v["aux_hidden"], r, len(self.meta.aux_layer_ids) * h, self.meta.aux_encoding)
             fin = self._tensor(v["final_hidden"], r, h)
         return Sample(v["sample_id"][r].as_py(), torch.from_numpy(ids[ids_off[r]:ids_off[r + 1]]),
                       torch.from_numpy(mask[mask_off[r]:mask_off[r + 1]]), aux, fin)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from data.config import EyrieConfig, write_scalars
 from data.batching import length_grouped_batches
 from data.prepare import samples_dir
+from data import aux_codec
 from data.shards import (ShardDataset, ShardMeta, ShardWriteError, ShardWriter, atomic_write_json, file_checksum,
                          write_manifest)
 from data.target import load_target_info
@@ -154,6 +155,8 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
         finite_tokens = (torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1)).cpu().numpy()
         finite = np.logical_and.reduceat(finite_tokens, np.cumsum([0, *sizes[:-1]])).tolist()
         skipped["non_finite"] += finite.count(False)
+        if writer.meta.aux_encoding != "raw":  # on the device: the copy carries the small form
+            aux = aux_codec.encode_fp8(aux, len(writer.meta.aux_layer_ids))
         aux_h, final_h = _to_host(aux), _to_host(final)
         event = None
         if aux.device.type == "cuda":
@@ -163,9 +166,11 @@ def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, len
 
 
 def bytes_per_token(meta: ShardMeta) -> int:
-    """On-disk bytes per token of a features shard: aux [3H] + final [H] states in `dtype`, id and mask."""
-    itemsize = torch.finfo(getattr(torch, meta.dtype)).bits // 8
-    return (len(meta.aux_layer_ids) + 1) * meta.hidden_size * itemsize + 4 + 1
+    """On-disk bytes per token of a features shard: aux [3H] states in `aux_encoding`, final [H] in `dtype`, id
+    and mask."""
+    dtype = getattr(torch, meta.dtype)
+    aux = aux_codec.row_bytes(meta.aux_encoding, len(meta.aux_layer_ids), meta.hidden_size, dtype)
+    return aux + meta.hidden_size * dtype.itemsize + 4 + 1
 
 
 def check_disk_budget(out: Path, tokens_left: int, per_token: int, announce: bool, margin: float = 1.05) -> None:
@@ -250,9 +255,10 @@ def run(cfg: EyrieConfig) -> dict | None:
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
-                     final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
+                     aux_encoding=ec.aux_encoding, final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
     # What the shards' content depends on; a completed shard from another config is extracted again.
-    config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}"
+    config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}" + \
+        ("" if ec.aux_encoding == "raw" else f"-{ec.aux_encoding}")
     out = features_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
 

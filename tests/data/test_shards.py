@@ -183,3 +183,38 @@ def test_packed_rows_read_back_like_rows_written_one_by_one(tmp_path):
         assert torch.equal(got.aux_hidden.view(torch.uint8), aux[start:start + n].view(torch.uint8))
         assert torch.equal(got.final_hidden.view(torch.uint8), fin[start:start + n].view(torch.uint8))
         start += n
+
+
+def test_fp8_aux_states_round_trip_within_e4m3s_precision_at_half_the_bytes(tmp_path):
+    """fp8_e4m3_rowscale: the aux states come back in the shard's dtype, each value within e4m3's relative
+    precision (3 mantissa bits: half a step is 2^-4) of the original, also next to a large outlier in its row;
+    the final state stays bit-exact; the bytes shrink to H + 4 per aux layer per token."""
+    from data import aux_codec
+    from extract.job import bytes_per_token
+    g = torch.Generator().manual_seed(2)
+    lengths = [6, 3]
+    aux = torch.randn(sum(lengths), 3 * H, generator=g).to(torch.bfloat16)
+    aux[0, 5] = 300.0  # a massive activation: the row's other values keep their relative precision
+    fin = torch.randn(sum(lengths), H, generator=g).to(torch.bfloat16)
+    m = meta(aux_encoding="fp8_e4m3_rowscale")
+    encoded = aux_codec.encode_fp8(aux, len(LAYERS))  # what extraction sends from the device
+    assert encoded.dtype == torch.uint8 and encoded.shape == (sum(lengths), 3 * H + 4 * 3)
+    with ShardWriter(tmp_path / "shard-00000.arrow", m) as w:
+        w.write("on-the-host", [1] * 6, [1] * 6, aux[:6], fin[:6])  # encoded by the writer
+        w.write_packed(["from-the-device"], [torch.ones(3, dtype=torch.int32).numpy()],
+                       [torch.ones(3, dtype=torch.uint8).numpy()], encoded[6:], fin[6:])
+        info = w.close()
+    reader = ShardReader(tmp_path / "shard-00000.arrow")
+    got = torch.cat([reader[0].aux_hidden, reader[1].aux_hidden])
+    assert got.dtype == torch.bfloat16 and got.shape == aux.shape
+    original = aux.float()
+    # relative 2^-4 down to absmax / 28,672 (e4m3's smallest normal, 2^-6, times the scale absmax / 448); below
+    # that the subnormals' absolute half-step, 2^-10 times the scale
+    scale = original.view(-1, 3, H).abs().amax(-1, keepdim=True).expand(-1, 3, H).reshape(original.shape) / 448
+    assert ((got.float() - original).abs() <= torch.maximum(original.abs() * 2 ** -4, scale * 2 ** -10)).all()
+    assert got[0, 5] == 300.0 and ((got[0, :5].float() - original[0, :5]).abs() <= original[0, :5].abs() / 16).all()
+    assert torch.equal(reader[1].final_hidden, fin[6:])
+    assert bytes_per_token(m) == 3 * (H + 4) + H * 2 + 5 < bytes_per_token(meta())
+    with pytest.raises(ShardError, match="encoded aux_hidden must be"):
+        ShardWriter(tmp_path / "bad.arrow", m).write("x", [1], [1], encoded[:1, :-1], fin[:1])
+    assert info["rows"] == 2
