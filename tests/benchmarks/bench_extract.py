@@ -3,6 +3,7 @@
     python tests/benchmarks/bench_extract.py --out /tmp/bx --backend hf       [--shape 8b --samples 128 --seq 2048]
     python tests/benchmarks/bench_extract.py --out /tmp/bx --backend sglang --phases job   (reuses the target)
     python tests/benchmarks/bench_extract.py --out /tmp/bx --backend sglang --phases forward
+    python tests/benchmarks/bench_extract.py --out /tmp/bx --backend hf --phases job --aux-encoding fp8_e4m3_rowscale
 (SGLang's runner owns its process's parallel state, so one SGLang backend per process: one phase per call.)
 Builds a random Llama of the given shape (bf16) once under OUT/target, writes random-token samples through
 data/'s writer, and measures in one process, on the same samples and batches:
@@ -64,6 +65,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--phases", default="job,forward", help="job and/or forward (forward, forward+copy)")
+    p.add_argument("--aux-encoding", default="raw", choices=["raw", "fp8_e4m3_rowscale"],
+                   help="extract.aux_encoding of the job phase")
     a = p.parse_args()
     out = Path(a.out)
     target = out / "target"
@@ -91,11 +94,13 @@ def main() -> None:
     cfg = EyrieConfig.model_validate({
         "run_dir": str(run_dir), "target": {"path": str(target), "aux_layer_ids": ids},
         "data": {"inputs": ["-"], "max_length": a.seq}, "extract": {"samples_per_shard": 32, "backend": a.backend,
-                                                                   "max_batch_tokens": a.max_batch_tokens}})
+                                                                   "max_batch_tokens": a.max_batch_tokens,
+                                                                   "aux_encoding": a.aux_encoding}})
     peak = matmul_tflops()
     result = {"gpu": torch.cuda.get_device_name(), "backend": a.backend, "target": f"Llama {a.shape}",
               "params_non_embedding": n_params, "layers": layers, "hidden": hidden, "dtype": "bfloat16",
-              "samples": a.samples, "seq": a.seq, "aux_layer_ids": ids, "matmul_tflops": round(peak, 1)}
+              "samples": a.samples, "seq": a.seq, "aux_layer_ids": ids, "aux_encoding": a.aux_encoding,
+              "matmul_tflops": round(peak, 1)}
 
     phases = a.phases.split(",")
     if "job" in phases:
