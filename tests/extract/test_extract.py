@@ -117,24 +117,23 @@ def check_against_direct_forward(model, samples, features):
         assert torch.equal(f.final_hidden, hs[-1][0])  # post-norm, as transformers returns the last entry
 
 
-def test_batched_forward_matches_closely(prepared):
-    config, run, target = prepared
-    shutil.rmtree(run / "features", ignore_errors=True)
-    finish(torchrun(config, "--extract.max_batch_tokens", "2048", nproc=1))
+def forwards(target: Path, features: ShardDataset, every: int):
+    """(sample, aux states, final state) of a direct fp32 forward for every `every`-th extracted sample."""
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    features = ShardDataset(run / "features")
-    for i in range(0, len(features), 5):
+    for i in range(0, len(features), every):
         f = features[i]
         with torch.no_grad():
             hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
-        torch.testing.assert_close(f.aux_hidden, torch.cat([hs[k + 1][0] for k in LAYERS], -1), atol=1e-5, rtol=1e-5)
+        yield f, torch.cat([hs[k + 1][0] for k in LAYERS], -1), hs[-1][0]
 
 
-def test_fp8_aux_states_are_the_forward_within_e4m3_precision_in_fewer_bytes(prepared):
+def test_batched_forward_matches_closely_and_fp8_within_e4m3_precision_in_fewer_bytes(prepared):
     config, run, target = prepared
     shutil.rmtree(run / "features", ignore_errors=True)
     finish(torchrun(config, "--extract.max_batch_tokens", "2048", nproc=1))
     raw_bytes = json.loads((run / "features" / MANIFEST).read_text())["totals"]["bytes"]
+    for f, aux, _ in forwards(target, ShardDataset(run / "features"), 5):
+        torch.testing.assert_close(f.aux_hidden, aux, atol=1e-5, rtol=1e-5)
     shutil.rmtree(run / "features")
     finish(torchrun(config, "--extract.max_batch_tokens", "2048", "--extract.aux_encoding", "fp8_e4m3_rowscale",
                     nproc=1))
@@ -142,15 +141,9 @@ def test_fp8_aux_states_are_the_forward_within_e4m3_precision_in_fewer_bytes(pre
     assert manifest["meta"]["aux_encoding"] == "fp8_e4m3_rowscale"
     # fp32 on CPU: 3 aux layers x 4 bytes per value become 1 byte + a 4-byte scale per layer and token
     assert manifest["totals"]["bytes"] < 0.5 * raw_bytes
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    features = ShardDataset(run / "features")
-    for i in range(0, len(features), 5):
-        f = features[i]
-        with torch.no_grad():
-            hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
-        expected = torch.cat([hs[k + 1][0] for k in LAYERS], -1)
-        assert ((f.aux_hidden - expected).abs() <= expected.abs() * 2 ** -4 + 1e-3).all(), f.sample_id
-        torch.testing.assert_close(f.final_hidden, hs[-1][0], atol=1e-5, rtol=1e-5)  # stays raw
+    for f, aux, final in forwards(target, ShardDataset(run / "features"), 5):
+        assert ((f.aux_hidden - aux).abs() <= aux.abs() * 2 ** -4 + 1e-3).all(), f.sample_id
+        torch.testing.assert_close(f.final_hidden, final, atol=1e-5, rtol=1e-5)  # stays raw
     shutil.rmtree(run / "features")
 
 
