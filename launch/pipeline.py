@@ -53,6 +53,9 @@ UPSTREAM = dict(zip(STAGES[1:], STAGES[:-1]))  # each stage reads what the one b
 SECTIONS = {"regenerate": ("target", "data"), "data": ("target", "data"), "extract": ("target", "data", "extract"),
             "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (),
             "smoke": ("serve",)}
+# Bumped when a stage's output gains fields that later stages or the report read (evaluate 2: the same prompts
+# decoded offline): a run made before re-runs that stage and the ones after it instead of failing on the old file
+OUTPUT_VERSION = {"evaluate": 2}
 
 
 def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:
@@ -79,6 +82,8 @@ def fingerprints(cfg: EyrieConfig) -> dict[str, str]:
     for stage in STAGES:
         h = hashlib.sha256(stage.encode())
         h.update(json.dumps({s: dumped[s] for s in SECTIONS[stage]}, sort_keys=True).encode())
+        if stage in OUTPUT_VERSION:
+            h.update(f"output version {OUTPUT_VERSION[stage]}".encode())
         for path in _external_inputs(cfg, stage):
             h.update(signatures.setdefault(path, files_signature(path)).encode())
         if stage in UPSTREAM:

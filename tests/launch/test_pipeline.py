@@ -90,6 +90,16 @@ def test_a_config_change_invalidates_exactly_the_stages_downstream_of_it():
     assert changed(launch={"master_port": 29501}) == []  # how it launches does not change what it computes
 
 
+def test_a_stage_whose_output_format_grew_reruns_with_the_stages_after_it(monkeypatch):
+    """An evaluate.json written before the report read `prompts` from it is made again, not read and failed on."""
+    import launch.pipeline
+    from launch.pipeline import STAGES, fingerprints
+    base = fingerprints(config_with())
+    monkeypatch.setitem(launch.pipeline.OUTPUT_VERSION, "evaluate", launch.pipeline.OUTPUT_VERSION["evaluate"] + 1)
+    prints = fingerprints(config_with())
+    assert [s for s in STAGES if prints[s] != base[s]] == ["evaluate", "smoke"]
+
+
 def test_multi_node_commands(tmp_path):
     from data.config import ConfigError
     from launch.pipeline import stage_commands
