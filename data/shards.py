@@ -295,6 +295,8 @@ class ShardReader:
             raise ShardError(f"{self.path}: encoding {self.meta.aux_encoding}/{self.meta.dtype} is not supported by "
                              "this reader")
         self._dtype = DTYPES[self.meta.dtype]
+        self._aux_row_bytes = aux_codec.row_bytes(self.meta.aux_encoding, len(self.meta.aux_layer_ids),
+                                                  self.meta.hidden_size, self._dtype)
         self._starts = np.cumsum([0] + [b.num_rows for b in self._batches])
         self._views = [self._batch_views(b) for b in self._batches]
 
@@ -322,10 +324,8 @@ class ShardReader:
         raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start))
         if encoding == "raw":
             return raw.view(self._dtype).view(-1, width)
-        n_aux = len(self.meta.aux_layer_ids)
-        return aux_codec.decode_fp8(raw.view(-1, aux_codec.row_bytes(encoding, n_aux, self.meta.hidden_size,
-                                                                      self._dtype)),
-                                    n_aux, self.meta.hidden_size, self._dtype)
+        return aux_codec.decode_fp8(raw.view(-1, self._aux_row_bytes), len(self.meta.aux_layer_ids),
+                                    self.meta.hidden_size, self._dtype)
 
     def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < len(self):

@@ -105,7 +105,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     fraction = eval_fraction if eval_fraction is not None else (config["train"]["eval_fraction"] if config else 0.05)
     data = FeatureData(run_dir / "features", fraction, max_batch_tokens, seed=0, rank=0, world=1)
     picked = data.eval_idx if split == "eval" else np.arange(len(data.ds))
-    row_of = {data.ds[int(i)].sample_id: int(i) for i in picked}
+    row_of = {data.sample_ids[i]: int(i) for i in picked}
     prompt_rows = [row_of[c] for c, _ in held_out_conversations(run_dir, prompts) if c in row_of] if config else []
     batches = length_grouped_batches(data.lengths, picked, max_batch_tokens, None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

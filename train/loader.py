@@ -54,8 +54,8 @@ class FeatureData:
         self.ds = ShardDataset(directory)
         self.meta = self.ds.meta
         self.lengths = self.ds.lengths()
-        ids = [self.ds[i].sample_id for i in range(len(self.ds))]
-        is_eval = np.array([held_out(s, eval_fraction) for s in ids], dtype=bool)
+        self.sample_ids = [self.ds[i].sample_id for i in range(len(self.ds))]
+        is_eval = np.array([held_out(s, eval_fraction) for s in self.sample_ids], dtype=bool)
         self.train_idx, self.eval_idx = np.nonzero(~is_eval)[0], np.nonzero(is_eval)[0]
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
         if self.micro_batches_per_epoch() == 0:
