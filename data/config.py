@@ -38,7 +38,8 @@ class RegenerateConfig(Section):
         "openai", description="openai: an OpenAI-compatible endpoint (sglang.launch_server); local: transformers generate")
     endpoint: str = Field("http://127.0.0.1:30000/v1", description="base URL of the OpenAI-compatible API")
     model: str = Field("default", description="model name sent to the endpoint")
-    concurrency: int = Field(8, ge=1, description="requests in flight")
+    concurrency: int = Field(8, ge=1, description="openai: requests in flight; local: conversations answered "
+                             "together, one generate batch per turn")
     max_retries: int = Field(3, ge=0, description="retries per request after the first try")
     timeout_s: float = Field(600.0, gt=0, description="per-request timeout")
     max_new_tokens: int = Field(1024, ge=1, description="answer length cap (replies that hit it are counted)")

@@ -54,8 +54,9 @@ if [ "${MLA:-0}" = 1 ]; then
         && cp runs/dsv3-$prev/pipeline/{regenerate,data,extract}.json runs/dsv3-$arch/pipeline/
     fi
     prev=$arch
-    # measured on the H200 (2026-12-04): target 80 s; regenerate 96 s (transformers generate), train 126 s (93 s
-    # of it compiling), evaluate > 50 s: about one arch and its smoke test per 10-minute device command
+    # measured on the H200 (2026-12-04), before the demo configs batched regeneration (32 conversations per
+    # generate) and chose blockwise TTT attention: target 80 s; regenerate 96 s (one prompt at a time), train 126 s
+    # (93 s of it compiling flex attention; 140 s for the mla arch), evaluate > 50 s
     timeout ${MLA_TIMEOUT:-420} python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
       --run_dir runs/dsv3-$arch --train.drafter.arch $arch --extract.nproc_per_node 1 --train.nproc_per_node 1 \
       > "$OUT/mla-$arch/pipeline.log" 2>&1

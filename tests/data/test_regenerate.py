@@ -62,3 +62,31 @@ def test_unreachable_endpoint_is_an_error_per_conversation(tmp_path):
     report = regenerate(convs(2), OpenAIChatGenerator(cfg, sleep=lambda s: None), tmp_path / "o.jsonl", cfg)
     assert report["errors"] == 2 and report["succeeded"] == 0 and report["skipped"] == 1
     assert "ConnectionError" in report["error_examples"][0]
+
+
+def test_local_batches_answer_each_conversation_as_it_is_answered_alone(tiny_target, tmp_path):
+    """`concurrency` conversations per left-padded generate batch, one batch per turn: each conversation gets
+    the greedy answers the target gives it alone, and the batches are as few as that allows."""
+    cfg = RegenerateConfig(enabled=True, backend="local", max_new_tokens=8, concurrency=3)
+    local = LocalGenerator(str(tiny_target), cfg)
+    batches = []
+    generate_batch = local.generate_batch
+    local.generate_batch = lambda histories: batches.append(len(histories)) or generate_batch(histories)
+    conversations = [Conversation(f"c{i}", [
+        {"role": "user", "content": "What is 2 plus 2?" + " Answer briefly, please." * i},  # lengths differ: padding
+        {"role": "assistant", "content": "old"}, {"role": "user", "content": "And 3 plus 3?"},
+        {"role": "assistant", "content": "old"}]) for i in range(5)]
+    report = regenerate(conversations, local, tmp_path / "r.jsonl", cfg)
+    assert report["succeeded"] == 5 and report["errors"] == 0
+    assert batches == [3, 3, 2, 2]  # two chunks of at most 3, two turns each
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)]
+    answered = 0
+    for row in rows:
+        history = []
+        for m in row["messages"]:
+            if m["role"] == "assistant":
+                assert m["content"] == local(history)["content"] and m["content"] != "old"
+                answered += 1
+            history.append(m)
+    assert answered == 10
