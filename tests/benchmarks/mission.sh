@@ -48,7 +48,9 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
   }
   # Only by the command that reaches the smoke stage: the others return a few kilobytes, so that the next command
   # finds the machine still warm (it is given back 30 s after a command; 14 MB of caches took longer once)
-  if [ -d /tmp/sgl-jit ] && [ -n "${REACHED_SMOKE:-}" ]; then pack jitcache --exclude=./inductor .; pack inductor ./inductor; fi
+  if [ -d /tmp/sgl-jit ] && [ -n "${REACHED_SMOKE:-}" ]; then
+    pack jitcache --exclude=./inductor .; pack inductor ./inductor
+  fi
   du -sh $RUN/features /tmp/sgl-jit 2>/dev/null; df -h . | tail -1
   log "results in $OUT_DIR"
 }
