@@ -63,6 +63,9 @@ nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 if [ ! -f $ASSETS/target/training.json ]; then
   log "target: training (resumes from its last save)"
+  # its compiled step's kernels stay out of the caches that come back: the Inductor archive is dropped whole
+  # past 16 MB, and the drafter's compiles (~100 s) matter more than the target's
+  TORCHINDUCTOR_CACHE_DIR=/tmp/target-jit/inductor TRITON_CACHE_DIR=/tmp/target-jit/triton \
   timeout -k 20 -s INT "$(within 30)" python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-7}" \
     || log "target: stopped (exit $?)"
   [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
