@@ -121,8 +121,10 @@ def flex_length(T: int) -> int:
 def flex_causal_attention(q, k, v, scale):
     T = q.shape[2]
     L = flex_length(T)
-    if L != T:
-        q, k, v = (F.pad(t, (0, 0, 0, L - T)) for t in (q, k, v))
+    # Padded or not, the kernel sees contiguous [B, H, L, D] tensors: a length already at its bucket used to pass
+    # its (transposed) views straight through, and the stride guards compiled it again (found on the H200 by
+    # tests/gpu/test_flex_ttt.py; recompiles counted on the CPU with flex's eager backend)
+    q, k, v = (F.pad(t, (0, 0, 0, L - T)) if L != T else t.contiguous() for t in (q, k, v))
     # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
     # sizes. Specialised on each, flex compiled a forward and backward kernel for every new (batch size,
     # bucket) (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
