@@ -212,7 +212,9 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
             except Exception as e:  # counted and reported per conversation; the next run retries them
                 report["errors"] += len(chunk)
                 if len(report["error_examples"]) < 20:
-                    report["error_examples"].append(f"{chunk[0].id}: {type(e).__name__}: {e}")
+                    which = chunk[0].id if len(chunk) == 1 else \
+                        f"{chunk[0].id}..{chunk[-1].id} ({len(chunk)} in one batch)"
+                    report["error_examples"].append(f"{which}: {type(e).__name__}: {e}")
                 continue
             for new, truncated in results:
                 row = {"id": new.id, "messages": new.messages}
