@@ -12,7 +12,8 @@ patched. Every version-specific call is in this module; versions not listed in T
 Measured on the H200 (tests/benchmarks/RESULTS.md): parity with the hf backend min cosine 0.99997 (aux),
 0.99996 (final), bf16; a Llama-3-8B-shaped forward at 75% MFU (transformers: 64.5%). With `extract.tp_size`
 > 1 a group of ranks on one node holds one tensor-parallel copy of the target (not yet run on a multi-GPU
-machine: none was lent).
+machine: none was lent; `tests/gpu/test_sglang_extract.py::test_sglang_tensor_parallel_features_match_hf_features`
+checks it against the hf backend on 2 GPUs).
 """
 from __future__ import annotations
 
