@@ -88,10 +88,12 @@ def zero2_run(features_run, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def zero3_run(features_run, tmp_path_factory):
-    """The same run under ZeRO-3 (parameters partitioned across the ranks)."""
+    """The same run under ZeRO-3 (parameters partitioned across the ranks), with the logits recomputed in
+    backward (train.recompute_logits: the head's weight must be gathered again there)."""
     from tests.train_runs import TRAIN, finish, launch, with_run_dir
     run = tmp_path_factory.mktemp("zero3") / "run"
-    return run, finish(launch(with_run_dir(features_run, run, optim=TRAIN["optim"] | {"zero_stage": 3})))
+    return run, finish(launch(with_run_dir(features_run, run, optim=TRAIN["optim"] | {"zero_stage": 3},
+                                           recompute_logits=True)))
 
 
 @pytest.fixture(scope="session")

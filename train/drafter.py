@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
-from .fused import RMSNorm, SwiGLUMLP, on_cuda_compiled
+from .fused import DraftHead, RMSNorm, SwiGLUMLP, on_cuda_compiled
 from .mla import ARCH as MLA_ARCH
 from .mla import FIELDS as MLA_FIELDS
 from .mla import Eagle3MLAttention, is_mla, mla_fields
@@ -98,6 +98,7 @@ class StepOutput:
     logits: torch.Tensor   # [B, T, draft_vocab]
     key: torch.Tensor      # [B, kv_heads, T, head_dim] this step's keys and values, which later steps attend to
     value: torch.Tensor
+    loss: torch.Tensor | None = None  # with a teacher target: the summed masked soft cross-entropy (DraftHead)
 
 
 def attend(q, k, v, past: list[tuple[torch.Tensor, torch.Tensor]], cache: "KVCache | None", scale: float,
@@ -165,7 +166,7 @@ class Eagle3Drafter(nn.Module):
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
         # MLA rotates only its qk_rope_head_dim dims of each head
         self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**(config.to_dict() | {"head_dim": config.qk_rope_head_dim}))
                                                if is_mla(config) else config)
@@ -180,11 +181,13 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.attention_backend = backend
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                past: list[tuple[torch.Tensor, torch.Tensor]] = (), cache: "KVCache | None" = None) -> StepOutput:
+                past: list[tuple[torch.Tensor, torch.Tensor]] = (), cache: "KVCache | None" = None,
+                target: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> StepOutput:
         """One draft step over a whole sequence. `hidden` is the target's aux states [B, T, 3·H_target] on
         the first step (projected by fc, as in SGLang) and the previous step's output after that; `past`
         holds the keys/values of the earlier steps of this unroll. With `cache` (decoding) the new positions
-        attend causally to everything cached instead."""
+        attend causally to everything cached instead. With `target` (the teacher's probs [B, T, draft_vocab],
+        a mask [B, T], a shift) the head also scores position t against probs[:, t + shift] (`loss`)."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
@@ -196,7 +199,11 @@ class Eagle3Drafter(nn.Module):
             h, k, v = checkpoint(self.midlayer, embeds, hidden, cos, sin, *flat, use_reentrant=False)
         else:
             h, k, v = self.midlayer(embeds, hidden, cos, sin, *flat, cache=cache)
-        return StepOutput(h, self.lm_head(self.norm(h)), k, v)
+        if target is None:
+            return StepOutput(h, self.lm_head(self.norm(h)), k, v)
+        probs, mask, shift = target
+        loss, logits = self.lm_head(self.norm(h), probs, mask, shift)
+        return StepOutput(h, logits, k, v, loss)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -86,6 +86,68 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, weight: tor
     return SoftCrossEntropy.apply(logits, target_p, weight)
 
 
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """soft_cross_entropy(x @ weight.T, p, w) over the rows of p, keeping no [tokens, vocab] tensor: the logits
+    are computed again in backward, chunk by chunk, from x (which the head's weight gradient needs anyway).
+    Costs a second [tokens, H] x [H, vocab] matmul per step; saves the logits' gradient, the largest
+    activation a TTT step keeps (tests/benchmarks/RESULTS.md). x: [N, H]; p, w: the first len(p) <= N rows'
+    targets and weights. Returns the loss and the [N, vocab] logits (not differentiable: for argmax)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, w: torch.Tensor):
+        logits = F.linear(x.detach(), weight.detach())
+        total = logits.new_zeros((), dtype=torch.float32)
+        for s, e in _chunks(len(p), weight.shape[0]):
+            total += _soft_ce_chunk(logits[s:e], p[s:e], w[s:e])[0]
+        ctx.save_for_backward(x, weight, p, w)
+        ctx.mark_non_differentiable(logits)
+        return total, logits
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_logits):
+        x, weight, p, w = (t.detach() for t in ctx.saved_tensors)
+        grad_x = torch.zeros_like(x)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        for s, e in _chunks(len(p), weight.shape[0]):
+            g = _soft_ce_chunk(F.linear(x[s:e], weight), p[s:e], w[s:e])[1]
+            grad_x[s:e] = g @ weight
+            grad_w += (g.T @ x[s:e]).float()
+        return grad_x * grad_total.to(x.dtype), (grad_w * grad_total).to(weight.dtype), None, None
+
+
+def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
+    chunk = max(1, CHUNK_ELEMENTS // vocab)
+    return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
+
+
+class DraftHead(nn.Linear):
+    """The drafter's lm_head (an nn.Linear: same parameter, same export name) that can also score its logits
+    against the teacher inside its own forward, where ZeRO-3 has gathered the weight. `recompute_logits` picks
+    the memory-light loss above over keeping the logits' gradient (one matmul per step faster)."""
+
+    recompute_logits = False
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                shift: int = 0):
+        """logits; with the teacher's probs [B, T, vocab] and a mask [B, T] also the loss: Σ over masked t of
+        the soft cross-entropy of position t against probs[:, t + shift] (t >= T - shift count 0): (loss, logits).
+        Rows are flattened, so row r's target is probs' flat row r + shift: a view, nothing copied per step
+        (near the end of a sequence that is the next sequence's row, where the mask is 0)."""
+        if probs is None:
+            return super().forward(x)
+        B, T, H = x.shape
+        V = self.weight.shape[0]
+        w = mask.float()
+        w[:, max(T - shift, 0):] = 0
+        rows = max(B * T - shift, 0)
+        p, w = probs.reshape(B * T, V)[shift:], w.reshape(B * T)[:rows]
+        if self.recompute_logits and torch.is_grad_enabled():
+            loss, logits = _LinearSoftCrossEntropy.apply(x.reshape(B * T, H), self.weight, p, w)
+            return loss, logits.view(B, T, V)
+        logits = super().forward(x)
+        return soft_cross_entropy(logits.reshape(B * T, V)[:rows], p, w), logits
+
+
 @on_cuda_compiled
 def _swiglu_grads(grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     silu = F.silu(gate)

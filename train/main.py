@@ -41,7 +41,8 @@ def train_dir(cfg: EyrieConfig) -> Path:
 def resume_key(cfg: EyrieConfig) -> dict:
     """What a checkpoint must share with the config to be resumed: all but the run's length and cadence."""
     train = cfg.train.model_dump(mode="json", exclude={"max_steps", "epochs", "eval_every", "save_every",
-                                                       "log_every", "keep_last", "activation_checkpointing"})
+                                                       "log_every", "keep_last", "activation_checkpointing",
+                                                       "recompute_logits"})
     return {"seed": cfg.seed, "train": train} | {s: getattr(cfg, s).model_dump(mode="json")
                                                  for s in ("target", "data", "extract")}
 
@@ -89,6 +90,7 @@ def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> 
     model.set_attention(cfg.train.attention if cfg.train.attention != "auto" else
                         "flex" if device.type == "cuda" else "blockwise")
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.lm_head.recompute_logits = cfg.train.recompute_logits
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.dtype != "float32" else torch.float32
     teacher = Teacher.from_target(cfg.target.path, target.text_config, meta["final_hidden"], t2d, device, dtype)
     return model, teacher

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .fused import on_cuda_compiled, soft_cross_entropy
+from .fused import on_cuda_compiled
 
 BLOCK_ELEMENTS = 1 << 25  # score elements per query block (x4 bytes in fp32): bounds blockwise's peak memory
 
@@ -176,14 +176,15 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     chain = first = None
     depth = torch.zeros(B, T, dtype=torch.int8, device=device)
     for j in range(steps):
-        out = model(_shift(input_ids, j + 1), hidden, positions + j, past)
-        hidden, past = out.hidden, past + [(out.key, out.value)]
         # Step j at t predicts x[t+j+2]: scored where that token carries loss; trained only where the target's
         # own choice at t+j+1 is in the draft vocab (EAGLE-3 masks the rest: no draft could match it).
         scored = _shift(loss_mask, j + 2, False)
         mask = scored & _shift(teacher.in_vocab, j + 1, False)
         n = mask.sum()
-        loss_j = soft_cross_entropy(out.logits, _shift(teacher.probs, j + 1), mask) / n.clamp(min=1)
+        # the loss against the teacher's distribution at t+j+1 is computed in the drafter's head (see DraftHead)
+        out = model(_shift(input_ids, j + 1), hidden, positions + j, past, target=(teacher.probs, mask, j + 1))
+        hidden, past = out.hidden, past + [(out.key, out.value)]
+        loss_j = out.loss / n.clamp(min=1)
         total = total + decay ** j * loss_j
         with torch.no_grad():
             draft = out.logits.argmax(-1)

@@ -5,7 +5,9 @@
         --peers eyrie,specforge [--loader-samples 64] [--json out.json]
 
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
-the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`. specforge (0.2.0, when importable;
+the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`; eyrie-recompute-logits: the same with
+`train.recompute_logits` (the draft logits computed again in backward; its useful FLOPs are counted as eyrie's,
+so its MFU is lower by the recompute). specforge (0.2.0, when importable;
 `pip download specforge==0.2.0 --no-deps -d .whl` puts its wheel in the carried `.whl/`, gpu-env.sh installs
 it): `OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
 `TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`. Same random inputs: one sequence of T tokens, all
@@ -85,7 +87,7 @@ def make_inputs(s: dict, T: int) -> Inputs:
 class Eyrie:
     """The product's training step: train/main.py's pieces, on synthetic inputs."""
 
-    def __init__(self, s: dict, activation_checkpointing: bool):
+    def __init__(self, s: dict, activation_checkpointing: bool, recompute_logits: bool = False):
         from data.config import TrainConfig
         from train.drafter import Eagle3Drafter
         from train.engine import deepspeed_config, init_engine
@@ -94,6 +96,7 @@ class Eyrie:
         model = Eagle3Drafter(llama_config(s), d2t, t2d)
         model.set_attention("flex")
         model.activation_checkpointing = activation_checkpointing
+        model.lm_head.recompute_logits = recompute_logits
         self.engine = init_engine(model, deepspeed_config(TrainConfig(), 1000, bf16=True))
         self.teacher = Teacher(torch.randn(s["Vt"], s["Ht"], device="cuda", dtype=torch.bfloat16) * 0.02,
                                t2d.cuda())
@@ -182,7 +185,8 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     s = SHAPES[shape]
     rows = []
     try:
-        runner = {"eyrie": Eyrie, "specforge": SpecForge}[peer](s, ckpt)
+        runner = (SpecForge(s, ckpt) if peer == "specforge" else
+                  Eyrie(s, ckpt, recompute_logits=peer == "eyrie-recompute-logits"))
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
@@ -280,12 +284,12 @@ def main() -> None:
     print(json.dumps(out), flush=True)
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
-    unknown = set(peers) - {"eyrie", "specforge"}
-    if unknown:
-        raise SystemExit(f"--peers: unknown {sorted(unknown)} (eyrie, specforge)")
+    known = {"eyrie", "eyrie-recompute-logits", "specforge"}  # the second: train.recompute_logits
+    if set(peers) - known:
+        raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
     for shape in a.shapes.split(","):
         for peer in peers:
-            ckpt = a.activation_checkpointing and peer == "eyrie"
+            ckpt = a.activation_checkpointing and peer.startswith("eyrie")
             out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile)
     if a.loader_samples:
         out["loader"] = loader_stall(a.shapes.split(",")[0], 2048, a.loader_samples)

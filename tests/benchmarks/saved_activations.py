@@ -4,6 +4,7 @@ SwiGLU's gate and up, the hidden size, head_dim = attention). Device-independent
 CPU (blockwise attention; flex keeps less on a GPU); peak memory itself is measured by bench_train.py on the GPU.
 
     python tests/benchmarks/saved_activations.py --shape llama3-8b --T 128 [--activation-checkpointing]
+        [--recompute-logits]
 """
 import argparse
 import collections
@@ -20,17 +21,20 @@ from train.teacher import Teacher  # noqa: E402
 from train.ttt import ttt_unroll  # noqa: E402
 
 
-def saved_bytes(shape: str, T: int, activation_checkpointing: bool) -> dict:
+def saved_bytes(shape: str, T: int, activation_checkpointing: bool, recompute_logits: bool) -> dict:
     s = bench_train.SHAPES[shape]
     torch.manual_seed(0)
     d2t, t2d = bench_train.vocab(s)
     model = Eagle3Drafter(bench_train.llama_config(s), d2t, t2d).to(torch.bfloat16)
     model.set_attention("blockwise")
     model.activation_checkpointing = activation_checkpointing
+    model.lm_head.recompute_logits = recompute_logits
     teacher = Teacher(torch.randn(s["Vt"], s["Ht"], dtype=torch.bfloat16) * 0.02, t2d)
     ids = torch.randint(0, s["Vd"], (1, T))
     aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
-    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    probs = teacher(final)
+    # weights and the teacher's probs are held whatever autograd keeps
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), probs.probs]}
     saved: dict[int, tuple[int, int, str]] = {}  # storage → (bytes, last dim, dtype); views of one storage once
 
     def pack(x):
@@ -41,14 +45,16 @@ def saved_bytes(shape: str, T: int, activation_checkpointing: bool) -> dict:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        ttt_unroll(model, ids, aux, torch.ones_like(ids, dtype=torch.bool), torch.tensor([T]), teacher(final),
+        ttt_unroll(model, ids, aux, torch.ones_like(ids, dtype=torch.bool), torch.tensor([T]), probs,
                    bench_train.STEPS, bench_train.DECAY)
     groups = collections.Counter()
     for nbytes, last, dtype in saved.values():
         groups[f"last dim {last} {dtype.removeprefix('torch.')}"] += nbytes
     return {"shape": shape, "T": T, "activation_checkpointing": activation_checkpointing,
+            "recompute_logits": recompute_logits,
             "kib_per_token": round(sum(groups.values()) / T / 1024, 1),
-            "by_group_kib_per_token": {k: round(v / T / 1024, 1) for k, v in groups.most_common()}}
+            "by_group_kib_per_token": {k: round(v / T / 1024, 1) for k, v in groups.most_common()
+                                       if v / T / 1024 >= 0.05}}  # not the per-step loss weights
 
 
 if __name__ == "__main__":
@@ -56,6 +62,7 @@ if __name__ == "__main__":
     p.add_argument("--shape", default="llama3-8b", choices=sorted(bench_train.SHAPES))
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--recompute-logits", action="store_true")
     a = p.parse_args()
     import json
-    print(json.dumps(saved_bytes(a.shape, a.T, a.activation_checkpointing), indent=1))
+    print(json.dumps(saved_bytes(a.shape, a.T, a.activation_checkpointing, a.recompute_logits), indent=1))

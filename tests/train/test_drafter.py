@@ -306,6 +306,43 @@ def test_activation_checkpointing_gives_the_same_gradients(drafter):
     torch.testing.assert_close(grads[0], grads[1])
 
 
+def test_recomputed_logits_give_the_same_loss_and_gradients_and_keep_nothing_vocab_sized(drafter, monkeypatch):
+    """train.recompute_logits: the head scores its logits without keeping their gradient, which is 28% of what a
+    llama3-8b unroll keeps (tests/benchmarks/saved_activations.py); loss and every gradient are unchanged."""
+    from train import fused
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 7 * drafter.config.draft_vocab_size)  # several chunks per row
+    torch.manual_seed(3)
+    cfg, B, T = drafter.config, 3, 20
+    teacher = Teacher(torch.randn(cfg.vocab_size, cfg.target_hidden_size), drafter.t2d)(
+        torch.randn(B, T, cfg.target_hidden_size))
+    ids, aux = torch.randint(0, cfg.vocab_size, (B, T)), torch.randn(B, T, 3 * cfg.target_hidden_size)
+    lengths, loss_mask = torch.tensor([T, 13, 7]), torch.rand(B, T) > 0.2
+    runs = []
+    for recompute in (False, True):
+        drafter.lm_head.recompute_logits = recompute
+        shared = {drafter.lm_head.weight.untyped_storage().data_ptr(), teacher.probs.untyped_storage().data_ptr()}
+        vocab_sized = set()  # storages kept for backward per step, beyond the head's weight and the teacher's probs
+
+        def pack(t):
+            if t.dim() and t.shape[-1] == cfg.draft_vocab_size and t.untyped_storage().data_ptr() not in shared:
+                vocab_sized.add(t.untyped_storage().data_ptr())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = ttt.ttt_unroll(drafter, ids, aux, loss_mask, lengths, teacher, 5, 0.8)
+        out.loss.backward()
+        runs.append((out.loss.detach(), out.correct, {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                                      if p.grad is not None}, len(vocab_sized)))
+        drafter.zero_grad()
+    drafter.lm_head.recompute_logits = False  # the fixture is shared
+    (loss, correct, grads, kept), (loss_r, correct_r, grads_r, kept_r) = runs
+    torch.testing.assert_close(loss_r, loss)
+    assert torch.equal(correct_r, correct)  # the same logits reach the accuracy counts
+    assert grads.keys() == grads_r.keys() and "lm_head.weight" in grads
+    for name in grads:
+        torch.testing.assert_close(grads_r[name], grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert kept == 5 and kept_r == 0  # the default keeps a logits gradient per step; recomputing keeps none
+
+
 def test_warm_start_from_an_exported_drafter(drafter, tmp_path):
     from train.engine import warm_start
     exported = {k: v.clone() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
