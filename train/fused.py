@@ -52,6 +52,12 @@ def _soft_ce_chunk(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> tuple[t
     return loss, ((log_probs.exp() - p) * w[:, None]).to(x.dtype)
 
 
+def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
+    """(start, end) row ranges whose fp32 [rows, vocab] temporaries stay within CHUNK_ELEMENTS."""
+    chunk = max(1, CHUNK_ELEMENTS // vocab)
+    return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
+
+
 class SoftCrossEntropy(torch.autograd.Function):
     """Per-token -Σ_v p_v · log softmax(logits)_v, weighted and summed: Σ_t weight_t · CE_t.
 
@@ -65,12 +71,11 @@ class SoftCrossEntropy(torch.autograd.Function):
         flat, p, w = logits.detach().reshape(-1, V), target_p.reshape(-1, V), weight.reshape(-1).float()
         grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
         total = flat.new_zeros((), dtype=torch.float32)
-        chunk = max(1, CHUNK_ELEMENTS // V)
-        for s in range(0, flat.shape[0], chunk):
-            loss, g = _soft_ce_chunk(flat[s:s + chunk], p[s:s + chunk], w[s:s + chunk])
+        for s, e in _chunks(flat.shape[0], V):
+            loss, g = _soft_ce_chunk(flat[s:e], p[s:e], w[s:e])
             total += loss
             if grad is not None:
-                grad[s:s + chunk] = g
+                grad[s:e] = g
         ctx.save_for_backward(grad)
         ctx.shape = logits.shape
         return total
@@ -113,11 +118,6 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
             grad_x[s:e] = g @ weight
             grad_w += (g.T @ x[s:e]).float()
         return grad_x * grad_total.to(x.dtype), (grad_w * grad_total).to(weight.dtype), None, None
-
-
-def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
-    chunk = max(1, CHUNK_ELEMENTS // vocab)
-    return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
 
 
 class DraftHead(nn.Linear):
