@@ -104,25 +104,35 @@ def build_tiny_llama(out_dir: str | Path, vocab_size: int, hidden: int = 64, lay
 # transformers' DeepseekV3Config leaves out (without them the server dies: "'DeepseekV3Config' object has no
 # attribute 'moe_layer_freq'"). The values are the routing transformers' DeepseekV3 computes.
 DEEPSEEK_V3_SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# DeepSeek-V3's latent-attention widths, which SGLang 0.5.14's triton MLA kernels are written for (decode splits
+# the cached row as 512 + 64 or 256 + 32). Measured on the H200 (tests/benchmarks/probe_sglang_deepseek.py): a
+# target with kv_lora 16 / rope 16 crashed the server at its first prefill (illegal memory access in the extend
+# kernel), kv_lora 64 / rope 64 failed to compile the decode kernel; these widths served (hidden 256, 2 heads).
+# The demo's DeepseekV3 target keeps them and stays tiny elsewhere (hidden 64); tests that never serve it pass
+# servable_mla=False (build_tiny_deepseek's narrow widths train 2x faster on a CPU, and learn faster).
+SGLANG_MLA_DIMS = {"num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 
 
 def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
-                        seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, rope_parameters: dict | None = None):
+                        seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, rope_parameters: dict | None = None,
+                        **overrides):
     """A randomly initialised DeepseekV3 (MLA attention, a dense first layer, then MoE layers): the Kimi-K2.5 /
-    DeepSeek-V3 architecture at toy size."""
+    DeepSeek-V3 architecture at toy size. `overrides`: other DeepseekV3Config fields."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
     head = hidden // heads
-    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
-                              moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=1,
-                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                              num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden // 2,
-                              kv_lora_rank=hidden // 4, qk_nope_head_dim=head, qk_rope_head_dim=head,
-                              v_head_dim=head, max_position_embeddings=1024, bos_token_id=bos_token_id,
-                              eos_token_id=eos_token_id, tie_word_embeddings=False, **DEEPSEEK_V3_SGLANG_FIELDS,
-                              **({"rope_parameters": rope_parameters} if rope_parameters else {}))
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
+                  moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=1,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                  num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden // 2,
+                  kv_lora_rank=hidden // 4, qk_nope_head_dim=head, qk_rope_head_dim=head,
+                  v_head_dim=head, max_position_embeddings=1024, bos_token_id=bos_token_id,
+                  eos_token_id=eos_token_id, tie_word_embeddings=False, **DEEPSEEK_V3_SGLANG_FIELDS,
+                  **({"rope_parameters": rope_parameters} if rope_parameters else {}))
+    config = DeepseekV3Config(**(fields | overrides))
     model = DeepseekV3ForCausalLM(config)
     model.save_pretrained(str(out_dir))
     return model
@@ -161,9 +171,9 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
 
 
 def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, train_steps: int = 500,
-                      arch: str = "llama") -> dict:
-    """Corpus, tokenizer and a tiny target (Llama, or DeepseekV3: MLA + MoE) trained on other conversations of
-    the same tasks."""
+                      arch: str = "llama", servable_mla: bool = True) -> dict:
+    """Corpus, tokenizer and a tiny target (Llama, or DeepseekV3: MLA + MoE, with SGLANG_MLA_DIMS unless
+    `servable_mla` is False) trained on other conversations of the same tasks."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     convs = make_conversations(conversations, seed)
@@ -171,9 +181,10 @@ def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, 
         fh.writelines(json.dumps(c) + "\n" for c in convs)
     corpus = make_conversations(4000, seed + 1)
     tok = build_tokenizer([m["content"] for c in corpus for m in c["messages"]], out / "target")
-    build = build_tiny_deepseek if arch == "deepseek_v3" else build_tiny_llama
+    build, dims = (build_tiny_deepseek, SGLANG_MLA_DIMS if servable_mla else {}) if arch == "deepseek_v3" else \
+        (build_tiny_llama, {})
     model = build(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
-                  eos_token_id=tok.eos_token_id)
+                  eos_token_id=tok.eos_token_id, **dims)
     losses = train_target(model, tok, corpus, train_steps, seed=seed)
     model.save_pretrained(str(out / "target"))
     info = {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target"),

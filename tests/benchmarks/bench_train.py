@@ -7,12 +7,14 @@
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
 the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`; eyrie-recompute-logits: the same with
 `train.recompute_logits` (the draft logits computed again in backward; its useful FLOPs are counted as eyrie's,
-so its MFU is lower by the recompute). specforge (0.2.0, when importable;
+so its MFU is lower by the recompute); eyrie-lean: with `train.activation_checkpointing` too (the
+kimi-k2.5 config's setting). specforge (0.2.0, when importable;
 `pip download specforge==0.2.0 --no-deps -d .whl` puts its wheel in the carried `.whl/`, gpu-env.sh installs
 it): `OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
 `TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`. Same random inputs: one sequence of T tokens, all
-in the loss, TTT 7, decay 0.8. Peak memory = torch's max allocated over the timed steps, weights and optimizer
-state included.
+in the loss, TTT 7, decay 0.8. tokens/s from steps timed end to end (no synchronisation inside a step; the
+phase split comes from one more, synchronised step). Peak memory = torch's max allocated over the timed steps,
+weights and optimizer state included; resident = allocated between steps (weights, gradients, optimizer state).
 
 Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 2 kvh) hd + nh hd H + 3 H I +
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
@@ -44,6 +46,7 @@ SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, 
     "kimi-k2.5-kv8": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=8, hd=128, I=18432, Vd=32000),
 }
 STEPS, DECAY = 7, 0.8
+LEAN_PEERS = ("eyrie-recompute-logits", "eyrie-lean")  # train.recompute_logits; -lean: + activation_checkpointing
 
 
 def useful_flops(s: dict, T: int) -> float:
@@ -163,20 +166,27 @@ class SpecForge:
 
 
 class Timer:
-    def __init__(self):
+    """Per-phase wall time. The phases' synchronisations stall the host's kernel launches ahead of the GPU, so
+    tokens/s come from steps run with `sync=False` (no per-phase timing, as a training loop runs) and the split
+    from one more step with it."""
+
+    def __init__(self, sync: bool = True):
         self.seconds: dict[str, float] = {}
+        self.sync = sync
 
     def __call__(self, name: str):
         timer = self
 
         class Phase:
             def __enter__(self):
-                torch.cuda.synchronize()
-                self.t = time.perf_counter()
+                if timer.sync:
+                    torch.cuda.synchronize()
+                    self.t = time.perf_counter()
 
             def __exit__(self, *exc):
-                torch.cuda.synchronize()
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
+                if timer.sync:
+                    torch.cuda.synchronize()
+                    timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
         return Phase()
 
 
@@ -186,21 +196,26 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     rows = []
     try:
         runner = (SpecForge(s, ckpt) if peer == "specforge" else
-                  Eyrie(s, ckpt, recompute_logits=peer == "eyrie-recompute-logits"))
+                  Eyrie(s, ckpt or peer == "eyrie-lean", recompute_logits=peer in LEAN_PEERS))
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
-        row = {"peer": peer + ("+ckpt" if ckpt else ""), "shape": shape, "T": T}
+        row = {"peer": peer + ("+ckpt" if ckpt and peer != "eyrie-lean" else ""), "shape": shape, "T": T}
         x = make_inputs(s, T)
         gc.collect()
         torch.cuda.empty_cache()
         try:
             runner.step(x, Timer())  # compiles flex for this length, allocates optimizer state
             torch.cuda.reset_peak_memory_stats()
-            timer, t0, losses = Timer(), time.perf_counter(), []
-            for _ in range(iters):
-                losses.append(runner.step(x, timer))
+            losses = []
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):  # step() ends in loss.item(): each step waits for the previous one
+                losses.append(runner.step(x, Timer(sync=False)))
             sec = (time.perf_counter() - t0) / iters
+            timer = Timer()
+            runner.step(x, timer)
+            resident = torch.cuda.memory_allocated()  # between steps: weights, gradients, optimizer state
         except torch.OutOfMemoryError:
             rows.append(row | {"error": "out of memory"})
             print(json.dumps(rows[-1]), flush=True)
@@ -213,8 +228,10 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
                   flush=True)
         row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
+                "resident_gib": round(resident / 2 ** 30, 2),
                 "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
-                "split_ms": {k: round(v / iters * 1e3, 1) for k, v in timer.seconds.items()},
+                "split_ms": {k: round(v * 1e3, 1) for k, v in timer.seconds.items()},
+                "split_total_ms": round(sum(timer.seconds.values()) * 1e3, 1),
                 "loss": round(losses[-1], 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -284,7 +301,7 @@ def main() -> None:
     print(json.dumps(out), flush=True)
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
-    known = {"eyrie", "eyrie-recompute-logits", "specforge"}  # the second: train.recompute_logits
+    known = {"eyrie", *LEAN_PEERS, "specforge"}
     if set(peers) - known:
         raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
     for shape in a.shapes.split(","):

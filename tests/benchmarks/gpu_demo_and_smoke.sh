@@ -8,15 +8,25 @@
 #   MLA=1          issue 9 on the GPU: the tiny DeepseekV3 (MLA + MoE) target, the demo-deepseek pipeline for each
 #                  drafter arch in MLA_ARCHS (default "llama mla"; one fits a 10-minute command), then serve.smoke
 #                  of each drafter on that target
+#   PROBE=1        before MLA: tests/benchmarks/probe_sglang_deepseek.py demo (does SGLang serve the demo's
+#                  DeepseekV3 target shape at all; ~60 s)
 # Results under $OUT/bench.json, $OUT/gpu-demo, $OUT/smoke, $OUT/mla-ARCH.
+# SECONDS_LEFT (default 570) is the whole script's budget: every stage's timeout is cut to what is left of it, so
+# no stage outlives the script (each `timeout` runs its command in a process group of its own, which an outer
+# `timeout` around this script does not reach: a pipeline left running slowed the next command's benchmark).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT/gpu-demo"
+END=$(( $(date +%s) + ${SECONDS_LEFT:-570} ))
+budget() {  # min(the stage's own limit, seconds left to the script)
+  local left=$(( END - $(date +%s) )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"
+}
 source .whl/gpu-env.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader  # should print nothing
 smoke() {  # TARGET RUN OUT: SGLang baseline vs EAGLE3 with RUN's drafter on RUN's held-out prompts
   # (at most 8 files come back from $OUT: the report as it is, the server logs and measurements in one archive)
   mkdir -p "$3"
-  timeout ${SMOKE_TIMEOUT:-500} python3 -m serve.smoke --target "$1" --drafter "$2/drafter" --run "$2" \
+  timeout $(budget ${SMOKE_TIMEOUT:-500}) python3 -m serve.smoke --target "$1" --drafter "$2/drafter" --run "$2" \
     --concurrency 1,8,64 --out "$2/smoke-gpu" --timeout 300 \
     --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
     --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
@@ -26,10 +36,10 @@ smoke() {  # TARGET RUN OUT: SGLang baseline vs EAGLE3 with RUN's drafter on RUN
   cp "$2/smoke-gpu/report.json" "$3/" 2>/dev/null; tar -C "$2" -czf "$3/smoke-gpu.tar.gz" smoke-gpu
 }
 if [ -n "${BENCH:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 tests/benchmarks/bench_train.py $BENCH 2>&1 | grep -v "it/s\]$" | tail -20
+  timeout $(budget ${BENCH_TIMEOUT:-300}) python3 tests/benchmarks/bench_train.py $BENCH 2>&1 | grep -v "it/s\]$" | tail -20
 fi
 if [ "${DEMO:-0}" = 1 ]; then
-  timeout ${DEMO_TIMEOUT:-400} python3 -m launch.demo --run_dir runs/gpu --extract.nproc_per_node 1 \
+  timeout $(budget ${DEMO_TIMEOUT:-400}) python3 -m launch.demo --run_dir runs/gpu --extract.nproc_per_node 1 \
     --train.nproc_per_node 1 ${DEMO_ARGS:-} > "$OUT/gpu-demo/demo.log" 2>&1
   echo "demo rc=$?"
   cp runs/gpu/report.json runs/gpu/train/log.jsonl runs/gpu/train/summary.json runs/gpu/evaluate/evaluate.json \
@@ -41,11 +51,16 @@ if [ "${SMOKE:-0}" = 1 ]; then
   ( source .sgl/sglang-env.sh
     smoke runs/demo/assets/target $run "$OUT/smoke" )
 fi
+if [ "${PROBE:-0}" = 1 ]; then
+  ( source .sgl/sglang-env.sh; timeout $(budget 200) python3 tests/benchmarks/probe_sglang_deepseek.py demo 2>&1 \
+    | grep '^{"variant"' )
+fi
 if [ "${MLA:-0}" = 1 ]; then
   assets=runs/demo-deepseek/assets
   [ -f $assets/target/config.json ] || python3 -m launch.demo_target --out $assets --arch deepseek_v3 | tail -3
   prev=""
   for arch in ${MLA_ARCHS:-llama mla}; do
+    (( END - $(date +%s) > 120 )) || { echo "dsv3 $arch: not started, $(( END - $(date +%s) )) s left"; continue; }
     mkdir -p "$OUT/mla-$arch"
     if [ -n "$prev" ] && [ -f runs/dsv3-$prev/pipeline/extract.json ] && [ ! -e runs/dsv3-$arch/features ]; then
       # the archs share regenerate, data and extract (the pipeline's fingerprints leave the run dir out): hard
@@ -57,7 +72,7 @@ if [ "${MLA:-0}" = 1 ]; then
     # measured on the H200 (2026-12-04), before the demo configs batched regeneration (32 conversations per
     # generate) and chose blockwise TTT attention: target 80 s; regenerate 96 s (one prompt at a time), train 126 s
     # (93 s of it compiling flex attention; 140 s for the mla arch), evaluate > 50 s
-    timeout ${MLA_TIMEOUT:-420} python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
+    timeout $(budget ${MLA_TIMEOUT:-420}) python3 -m launch.pipeline --config launch/configs/demo-deepseek.yaml \
       --run_dir runs/dsv3-$arch --train.drafter.arch $arch --extract.nproc_per_node 1 --train.nproc_per_node 1 \
       > "$OUT/mla-$arch/pipeline.log" 2>&1
     echo "dsv3 $arch pipeline rc=$?"; grep "^\[pipeline\]" "$OUT/mla-$arch/pipeline.log" | tail -3

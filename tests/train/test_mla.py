@@ -97,10 +97,11 @@ def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target,
 
 @pytest.fixture(scope="module")
 def deepseek_demo_assets(tmp_path_factory):
-    """A tiny DeepseekV3 target trained on the demo corpus, and conversations of the same tasks."""
+    """A tiny DeepseekV3 target trained on the demo corpus, and conversations of the same tasks (narrow MLA
+    widths: nothing here serves it through SGLang)."""
     from launch.demo_target import build_demo_assets
     out = tmp_path_factory.mktemp("deepseek-demo")
-    build_demo_assets(out, conversations=200, train_steps=300, arch="deepseek_v3")
+    build_demo_assets(out, conversations=200, train_steps=300, arch="deepseek_v3", servable_mla=False)
     return out
 
 
