@@ -9,7 +9,8 @@ Builds a random Llama of the given shape (bf16) once under OUT/target, writes ra
 data/'s writer, and measures in one process, on the same samples and batches:
   forward       the backend's capture alone (states left on the GPU)
   forward+copy  plus the device→host copies of the packed states into pinned memory
-  job           extract.job.run: forward, copies, Arrow shard writes, fsync and checksums (second pass)
+  job           extract.job.run: forward, copies, Arrow shard writes, fsync and checksums (hf: its second pass;
+                sglang: after an 8-sample job in a process of its own has filled the kernel caches on disk)
 Each as tokens/s and MFU of the target forward (2 x non-embedding params + causal attention per token) against
 the bf16 matmul rate measured in the same process. Prints one JSON line.
 """
@@ -67,7 +68,15 @@ def main() -> None:
     p.add_argument("--phases", default="job,forward", help="job and/or forward (forward, forward+copy)")
     p.add_argument("--aux-encoding", default="raw", choices=["raw", "fp8_e4m3_rowscale"],
                    help="extract.aux_encoding of the job phase")
+    p.add_argument("--no-warmup", action="store_true", help="sglang job: skip the warm-up process")
     a = p.parse_args()
+    if a.backend == "sglang" and "job" in a.phases.split(",") and not a.no_warmup:
+        import subprocess
+        import sys  # one SGLang runner per process: warm the kernel caches (triton, JIT) in another one
+        subprocess.run([sys.executable, __file__, "--out", a.out, "--backend", "sglang", "--shape", a.shape,
+                        "--samples", "8", "--seq", str(a.seq), "--max-batch-tokens", str(a.max_batch_tokens),
+                        "--phases", "job", "--aux-encoding", a.aux_encoding, "--no-warmup"],
+                       check=True, stdout=subprocess.DEVNULL)
     out = Path(a.out)
     target = out / "target"
     if not (target / "config.json").exists():
@@ -110,7 +119,7 @@ def main() -> None:
 
 
 def job(cfg, result, flops_per_token, peak, run_dir) -> None:
-    if cfg.extract.backend == "hf":  # warm-up pass (kernels, allocator, page cache); SGLang: one runner per process
+    if cfg.extract.backend == "hf":  # warm-up pass (kernels, allocator, page cache); SGLang: see main()
         run(cfg)
         shutil.rmtree(run_dir / "features")
     t = time.perf_counter()
