@@ -95,6 +95,25 @@ def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target,
     assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
 
 
+def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_loader(tmp_path):
+    """The demo's DeepseekV3 target has the latent widths SGLang's MLA kernels serve (RESULTS.md: narrower ones
+    crashed its server); the MLA drafter takes them and its export loads through SGLang's class (YaRN RoPE: the
+    kind SGLang builds on a CPU)."""
+    from launch.demo_target import SGLANG_MLA_DIMS, build_tiny_deepseek
+    from serve.export import write_drafter_dir
+    from serve.sglang_check import check_in_subprocess
+    build_tiny_deepseek(tmp_path / "target", vocab_size=64, rope_parameters=YARN, **SGLANG_MLA_DIMS)
+    drafter = mla_drafter(tmp_path / "target")
+    assert {k: getattr(drafter.config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                     "qk_rope_head_dim", "v_head_dim")} == \
+        {k: v for k, v in SGLANG_MLA_DIMS.items() if "heads" not in k}
+    assert drafter.config.kv_lora_rank + drafter.config.qk_rope_head_dim == 576  # what SGLang's decode kernel splits
+    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    write_drafter_dir(tmp_path / "mla", drafter.config, tensors, "test")
+    report = check_in_subprocess(tmp_path / "mla")
+    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
+
+
 @pytest.fixture(scope="module")
 def deepseek_demo_assets(tmp_path_factory):
     """A tiny DeepseekV3 target trained on the demo corpus, and conversations of the same tasks (narrow MLA
