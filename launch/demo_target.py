@@ -181,8 +181,10 @@ def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, 
         fh.writelines(json.dumps(c) + "\n" for c in convs)
     corpus = make_conversations(4000, seed + 1)
     tok = build_tokenizer([m["content"] for c in corpus for m in c["messages"]], out / "target")
-    build, dims = (build_tiny_deepseek, SGLANG_MLA_DIMS if servable_mla else {}) if arch == "deepseek_v3" else \
-        (build_tiny_llama, {})
+    if arch == "deepseek_v3":
+        build, dims = build_tiny_deepseek, SGLANG_MLA_DIMS if servable_mla else {}
+    else:
+        build, dims = build_tiny_llama, {}
     model = build(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, **dims)
     losses = train_target(model, tok, corpus, train_steps, seed=seed)

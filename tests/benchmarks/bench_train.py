@@ -46,7 +46,8 @@ SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, 
     "kimi-k2.5-kv8": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=8, hd=128, I=18432, Vd=32000),
 }
 STEPS, DECAY = 7, 0.8
-LEAN_PEERS = ("eyrie-recompute-logits", "eyrie-lean")  # train.recompute_logits; -lean: + activation_checkpointing
+# eyrie's variants: (train.activation_checkpointing, train.recompute_logits)
+EYRIE_PEERS = {"eyrie": (False, False), "eyrie-recompute-logits": (False, True), "eyrie-lean": (True, True)}
 
 
 def useful_flops(s: dict, T: int) -> float:
@@ -195,12 +196,12 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     s = SHAPES[shape]
     rows = []
     try:
-        runner = (SpecForge(s, ckpt) if peer == "specforge" else
-                  Eyrie(s, ckpt or peer == "eyrie-lean", recompute_logits=peer in LEAN_PEERS))
+        own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
+        runner = SpecForge(s, ckpt) if peer == "specforge" else Eyrie(s, ckpt or own_ckpt, recompute)
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
-        row = {"peer": peer + ("+ckpt" if ckpt and peer != "eyrie-lean" else ""), "shape": shape, "T": T}
+        row = {"peer": peer + ("+ckpt" if ckpt and not own_ckpt else ""), "shape": shape, "T": T}
         x = make_inputs(s, T)
         gc.collect()
         torch.cuda.empty_cache()
@@ -294,16 +295,16 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step at the first T")
     a = p.parse_args()
+    lengths = [int(t) for t in a.lengths.split(",")]
+    peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
+    known = {*EYRIE_PEERS, "specforge"}
+    if set(peers) - known:  # before any GPU work
+        raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
     from train.main import setup_distributed
     setup_distributed()
     peak = matmul_tflops()
     out = {"peak_bf16_matmul_tflops": round(peak, 1), "torch": torch.__version__, "rows": []}
     print(json.dumps(out), flush=True)
-    lengths = [int(t) for t in a.lengths.split(",")]
-    peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
-    known = {"eyrie", *LEAN_PEERS, "specforge"}
-    if set(peers) - known:
-        raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
     for shape in a.shapes.split(","):
         for peer in peers:
             ckpt = a.activation_checkpointing and peer.startswith("eyrie")

@@ -7,6 +7,7 @@ from data.config import DrafterConfig
 from data.target import load_target_info
 from tests.extract.test_extract import build_deepseek
 from train.drafter import Eagle3Drafter, attend, drafter_config
+from train.mla import FIELDS as MLA_FIELDS
 from train.mla import is_mla
 
 
@@ -35,6 +36,16 @@ def mla_drafter(target, **shape) -> Eagle3Drafter:
     t2d[:16] = True
     torch.manual_seed(0)
     return Eagle3Drafter(config, torch.zeros(16, dtype=torch.int64), t2d)
+
+
+def export_and_check_with_sglang(drafter: Eagle3Drafter, out) -> None:
+    """Export the drafter (without the target's embedding) and load it with SGLang's own class on the CPU."""
+    from serve.export import write_drafter_dir
+    from serve.sglang_check import check_in_subprocess
+    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    write_drafter_dir(out, drafter.config, tensors, "test")
+    report = check_in_subprocess(out)
+    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
 
 
 def test_mla_dims_come_from_an_mla_target_and_the_config_wins(deepseek_target):
@@ -85,14 +96,8 @@ def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target,
     if "yarn" not in deepseek_target.name:
         pytest.skip("not run: SGLang builds MLA RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); the YaRN case runs")
     from serve.drafter_dir import read_config, read_tensors, validate
-    from serve.export import write_drafter_dir
-    from serve.sglang_check import check_in_subprocess
-    drafter = mla_drafter(deepseek_target)
-    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
-    write_drafter_dir(tmp_path / "mla", drafter.config, tensors, "test")
+    export_and_check_with_sglang(mla_drafter(deepseek_target), tmp_path / "mla")
     validate(read_config(tmp_path / "mla"), read_tensors(tmp_path / "mla"), "mla")  # the import path reads it back
-    report = check_in_subprocess(tmp_path / "mla")
-    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
 
 
 def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_loader(tmp_path):
@@ -100,18 +105,11 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     crashed its server); the MLA drafter takes them and its export loads through SGLang's class (YaRN RoPE: the
     kind SGLang builds on a CPU)."""
     from launch.demo_target import SGLANG_MLA_DIMS, build_tiny_deepseek
-    from serve.export import write_drafter_dir
-    from serve.sglang_check import check_in_subprocess
     build_tiny_deepseek(tmp_path / "target", vocab_size=64, rope_parameters=YARN, **SGLANG_MLA_DIMS)
     drafter = mla_drafter(tmp_path / "target")
-    assert {k: getattr(drafter.config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                                     "qk_rope_head_dim", "v_head_dim")} == \
-        {k: v for k, v in SGLANG_MLA_DIMS.items() if "heads" not in k}
+    assert {k: getattr(drafter.config, k) for k in MLA_FIELDS} == {k: SGLANG_MLA_DIMS[k] for k in MLA_FIELDS}
     assert drafter.config.kv_lora_rank + drafter.config.qk_rope_head_dim == 576  # what SGLang's decode kernel splits
-    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
-    write_drafter_dir(tmp_path / "mla", drafter.config, tensors, "test")
-    report = check_in_subprocess(tmp_path / "mla")
-    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
+    export_and_check_with_sglang(drafter, tmp_path / "mla")
 
 
 @pytest.fixture(scope="module")
