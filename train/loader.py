@@ -85,23 +85,23 @@ class FeatureData:
         return 1 - real / max(padded, 1)
 
     def collate(self, indices: list[int], pin: bool = False) -> Batch:
+        """One right-padded batch. With `pin` the rows are copied straight into page-locked buffers (one pass
+        over the bytes: a llama3-8b sample of 2,048 tokens is 67 MB), so the host→device copy can overlap the step."""
         samples = [self.ds[i] for i in indices]
         T = max(len(s.input_ids) for s in samples)
         B = len(samples)
         aux_w, fin_w = samples[0].aux_hidden.shape[1], samples[0].final_hidden.shape[1]
         dtype = samples[0].aux_hidden.dtype
-        batch = Batch(torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.bool),
-                      torch.zeros(B, T, aux_w, dtype=dtype), torch.zeros(B, T, fin_w, dtype=dtype),
-                      torch.tensor([len(s.input_ids) for s in samples]))
+        batch = Batch(*(torch.empty(shape, dtype=dt, pin_memory=pin) for shape, dt in (
+            ((B, T), torch.int64), ((B, T), torch.bool), ((B, T, aux_w), dtype), ((B, T, fin_w), dtype),
+            ((B,), torch.int64))))
         for r, s in enumerate(samples):
             n = len(s.input_ids)
-            batch.input_ids[r, :n] = s.input_ids
-            batch.loss_mask[r, :n] = s.loss_mask.bool()
-            batch.aux_hidden[r, :n] = s.aux_hidden
-            batch.final_hidden[r, :n] = s.final_hidden
-        if pin:
-            batch = Batch(*(t.pin_memory() for t in (batch.input_ids, batch.loss_mask, batch.aux_hidden,
-                                                     batch.final_hidden, batch.lengths)))
+            batch.lengths[r] = n
+            for dst, src in ((batch.input_ids, s.input_ids), (batch.loss_mask, s.loss_mask.bool()),
+                             (batch.aux_hidden, s.aux_hidden), (batch.final_hidden, s.final_hidden)):
+                dst[r, :n] = src
+                dst[r, n:] = 0  # the padding
         return batch
 
     def stream(self, epoch: int, micro: int, epochs: int, pin: bool = False

@@ -259,8 +259,14 @@ def test_loader_groups_lengths_resumes_and_splits_ranks(features_run):
     assert not set(seen) & set(one.eval_idx.tolist())
     ids = [one.ds[int(i)].sample_id for i in one.eval_idx]
     assert ids and all(held_out(s, 0.1) for s in ids)
-    batch = one.collate(one.epoch_plan(0)[0])
-    assert all(batch.aux_hidden[r, n:].abs().sum() == 0 for r, n in enumerate(batch.lengths.tolist()))
+    mixed = [int(i) for i in np.argsort(one.lengths)[[0, len(one.lengths) // 2, -1]]]  # three lengths: padding
+    batch = one.collate(mixed)
+    assert batch.lengths.tolist() == [int(one.lengths[i]) for i in mixed] and len(set(batch.lengths.tolist())) > 1
+    for r, i in enumerate(mixed):
+        s, n = one.ds[i], int(one.lengths[i])
+        for got, want in ((batch.input_ids, s.input_ids), (batch.loss_mask, s.loss_mask.bool()),
+                          (batch.aux_hidden, s.aux_hidden), (batch.final_hidden, s.final_hidden)):
+            assert torch.equal(got[r, :n], want.to(got.dtype)) and not got[r, n:].any()
 
 
 def test_overfits_one_batch(drafter, features_run):
