@@ -3,8 +3,17 @@
 # runs/demo/{assets,drafter,train/summary.json,evaluate/evaluate.json}]), in this order, each optional:
 #   BENCH="--lengths 16384 --backends flex"  tests/benchmarks/bench_train.py with these arguments
 #   DEMO=1         the demo pipeline on the GPU in runs/gpu (DeepSpeed, one rank; reuses a carried demo target)
-#   SMOKE=1        serve.smoke for SMOKE_RUN (default runs/demo): SGLang baseline vs EAGLE3 on the run's held-out
-#                  prompts, compared with the run's reference decoder and offline evaluator (dtype SMOKE_DTYPE)
+#   SMOKE=1        serve.smoke for each run in SMOKE_RUNS (default runs/demo) on SMOKE_TARGET (default
+#                  runs/demo/assets/target): SGLang baseline vs EAGLE3 on the run's held-out prompts, compared with
+#                  the run's reference decoder and offline evaluator (dtype SMOKE_DTYPE). Runs on one target share
+#                  the baseline server's measurements (same command, same prompts).
+#                  Runs trained elsewhere (e.g. issue 9's two CPU-trained drafters on the DeepseekV3 target) travel
+#                  in one carried folder, unpacked here first:
+#                    rm -rf runs/gpu-carry; for p in runs/demo-deepseek/assets \
+#                        runs/dsv3-{mla,llama}/{drafter,train/summary.json,evaluate/evaluate.json}; do
+#                      mkdir -p runs/gpu-carry/$(dirname $p); cp -al $p runs/gpu-carry/$p; done
+#                  carry [".whl", ".sgl", "runs/gpu-carry"]; SMOKE=1 SMOKE_TARGET=runs/demo-deepseek/assets/target
+#                  SMOKE_RUNS="runs/dsv3-mla runs/dsv3-llama"
 #   MLA=1          issue 9 on the GPU: the tiny DeepseekV3 (MLA + MoE) target, the demo-deepseek pipeline for each
 #                  drafter arch in MLA_ARCHS (default "llama mla"; one fits a 10-minute command), then serve.smoke
 #                  of each drafter on that target
@@ -25,16 +34,19 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader  # should print nothing
 smoke() {  # TARGET RUN OUT: SGLang baseline vs EAGLE3 with RUN's drafter on RUN's held-out prompts
   # (at most 8 files come back from $OUT: the report as it is, the server logs and measurements in one archive)
+  # one measurements folder per target: a second drafter reuses the baseline server's measurements
+  local measured=runs/smoke-gpu/$(echo "$1" | tr / _)
   mkdir -p "$3"
   timeout $(budget ${SMOKE_TIMEOUT:-500}) python3 -m serve.smoke --target "$1" --drafter "$2/drafter" --run "$2" \
-    --concurrency 1,8,64 --out "$2/smoke-gpu" --timeout 300 \
+    --concurrency 1,8,64 --out "$measured" --timeout 300 \
     --server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch \
     --server-arg=--grammar-backend=none --server-arg=--disable-cuda-graph \
     --server-arg=--mem-fraction-static=0.3 --server-arg=--dtype=${SMOKE_DTYPE:-bfloat16} 2>&1 \
     | tr '\r' '\n' | grep -v "^waiting for" | tail -30
   echo "smoke rc=${PIPESTATUS[0]}"
-  cp "$2/smoke-gpu/report.json" "$3/" 2>/dev/null; tar -C "$2" -czf "$3/smoke-gpu.tar.gz" smoke-gpu
+  cp "$measured/report.json" "$3/" 2>/dev/null; tar -C "$measured" -czf "$3/smoke-gpu.tar.gz" .
 }
+[ -d runs/gpu-carry/runs ] && cp -al runs/gpu-carry/runs .  # runs trained elsewhere, at their own paths
 if [ -n "${BENCH:-}" ]; then
   timeout $(budget ${BENCH_TIMEOUT:-300}) python3 tests/benchmarks/bench_train.py $BENCH 2>&1 | grep -v "it/s\]$" | tail -20
 fi
@@ -47,9 +59,10 @@ if [ "${DEMO:-0}" = 1 ]; then
   grep "^\[pipeline\]\|reference decoder" "$OUT/gpu-demo/demo.log"
 fi
 if [ "${SMOKE:-0}" = 1 ]; then
-  run=${SMOKE_RUN:-runs/demo}
-  ( source .sgl/sglang-env.sh
-    smoke runs/demo/assets/target $run "$OUT/smoke" )
+  for run in ${SMOKE_RUNS:-runs/demo}; do
+    ( source .sgl/sglang-env.sh
+      smoke ${SMOKE_TARGET:-runs/demo/assets/target} $run "$OUT/smoke-$(basename $run)" )
+  done
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   ( source .sgl/sglang-env.sh; timeout $(budget 200) python3 tests/benchmarks/probe_sglang_deepseek.py demo 2>&1 \
