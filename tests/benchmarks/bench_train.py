@@ -2,7 +2,7 @@
 (not collected by pytest).
 
     python tests/benchmarks/bench_train.py --shapes llama3-8b,kimi-k2.5 --lengths 2048,8192,16384 \
-        --peers eyrie,specforge [--loader-samples 64] [--json out.json]
+        --peers eyrie,specforge [--loader-samples 64] [--json out.json] [--profile] [--memory-profile]
 
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
 the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`; eyrie-recompute-logits: the same with
@@ -19,6 +19,10 @@ weights and optimizer state included; resident = allocated between steps (weight
 Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 2 kvh) hd + nh hd H + 3 H I +
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
 the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
+
+--profile prints one step's top CUDA kernels at the first T; every row's split_host_ms says how long the host took
+to launch each phase (close to split_ms: the GPU waited for the host). --memory-profile adds `live_at_peak` to the
+first T's rows: the step's allocations alive at its peak memory, by the code that made them.
 
 --loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
 writer and streams them through the trainer's loader (FeatureData.stream: collate + pin on a thread) while
@@ -173,6 +177,7 @@ class Timer:
 
     def __init__(self, sync: bool = True):
         self.seconds: dict[str, float] = {}
+        self.host: dict[str, float] = {}  # the host's share: launching the phase's work, before waiting for the GPU
         self.sync = sync
 
     def __call__(self, name: str):
@@ -186,13 +191,52 @@ class Timer:
 
             def __exit__(self, *exc):
                 if timer.sync:
+                    launched = time.perf_counter()
                     torch.cuda.synchronize()
+                    timer.host[name] = timer.host.get(name, 0.0) + launched - self.t
                     timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
         return Phase()
 
 
+def memory_at_peak(step, top: int = 12) -> dict:
+    """What one step's peak allocation is made of: the memory allocated before the step (weights, optimizer
+    state, kept gradients) and the step's own allocations alive at its peak, summed by the first frame in
+    Eyrie's, DeepSpeed's or SpecForge's code that made them (torch's allocator history, Python stacks)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for e in trace:  # replay: allocations made in the step, and frees (of those, or of memory from before it)
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e["frames"])
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            total -= e["size"]
+    owners: dict[str, list] = {}
+    for size, frames in at_peak.values():
+        ours = [f for f in frames if any(k in f["filename"] for k in ("/train/", "/data/", "deepspeed", "specforge"))
+                and "benchmarks" not in f["filename"]]
+        f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        key = f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+        owners.setdefault(key, [0, 0])
+        owners[key][0] += size
+        owners[key][1] += 1
+    ranked = sorted(owners.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"before_step_gib": round(before / 2 ** 30, 2), "step_peak_above_before_gib": round(peak / 2 ** 30, 2),
+            "by_owner_gib": {k: [round(v[0] / 2 ** 30, 3), v[1]] for k, v in ranked}}
+
+
 def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops: float, ckpt: bool,
-             profile: bool = False) -> list[dict]:
+             profile: bool = False, memory_profile: bool = False) -> list[dict]:
     s = SHAPES[shape]
     rows = []
     try:
@@ -227,11 +271,15 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
                 runner.step(x, Timer())
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90),
                   flush=True)
+        if memory_profile and T == lengths[0]:
+            row["live_at_peak"] = memory_at_peak(lambda: runner.step(x, Timer(sync=False)))
         row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
                 "resident_gib": round(resident / 2 ** 30, 2),
                 "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
                 "split_ms": {k: round(v * 1e3, 1) for k, v in timer.seconds.items()},
+                # host time close to a phase's time: the GPU waited for launches (CUDA graphs, fewer kernels)
+                "split_host_ms": {k: round(v * 1e3, 1) for k, v in timer.host.items()},
                 "split_total_ms": round(sum(timer.seconds.values()) * 1e3, 1),
                 "loss": round(losses[-1], 3)}
         rows.append(row)
@@ -294,6 +342,8 @@ def main() -> None:
     p.add_argument("--loader-samples", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step at the first T")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="at the first T: what one step's peak memory is made of (row key live_at_peak)")
     a = p.parse_args()
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
@@ -308,7 +358,7 @@ def main() -> None:
     for shape in a.shapes.split(","):
         for peer in peers:
             ckpt = a.activation_checkpointing and peer.startswith("eyrie")
-            out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile)
+            out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile, a.memory_profile)
     if a.loader_samples:
         out["loader"] = loader_stall(a.shapes.split(",")[0], 2048, a.loader_samples)
         print(json.dumps(out["loader"]), flush=True)
