@@ -1,17 +1,47 @@
 """Shard write/read throughput and bytes per token (not collected by pytest).
 
     python tests/benchmarks/bench_shards.py [--hidden 4096] [--tokens 262144] [--dir /tmp/eyrie-bench]
+                                           [--extract-writer-shards 4 --batches-per-shard 8 --repeat 3]
 Reports MB/s for writing (incl. fsync + checksum), cold-ish and warm reads that touch every tensor, and
 bytes/token. Reads are O(1) memory-mapped views, so "read" means summing every value to force the pages in.
+
+--extract-writer-shards N: the extraction job's writing alone (extract/job.py's threads, no forwards): N shards of
+batches of 4 x --seq tokens written with write_packed on the writer thread, each shard sealed (fsync, checksum,
+rename) either on its own thread (the job's way) or on the writer thread (the job before), alternating.
 """
 import argparse
+import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.shards import ShardDataset, ShardMeta, ShardWriter, write_manifest
+from extract.job import AsyncShardWriter
+
+
+def extract_writer_gb_per_s(d: Path, meta: ShardMeta, seq: int, shards: int, batches: int, own_sealer: bool) -> float:
+    rows = 4
+    aux, fin = torch.randn(rows * seq, 3 * meta.hidden_size).bfloat16(), torch.randn(rows * seq, meta.hidden_size).bfloat16()
+    ids, masks = [np.arange(seq, dtype=np.int32)] * rows, [np.ones(seq, dtype=np.uint8)] * rows
+    d.mkdir(parents=True)
+    os.sync()
+    io, sealer = AsyncShardWriter(), AsyncShardWriter(depth=1)
+    t0 = time.perf_counter()
+    for c in range(shards):
+        w = ShardWriter(d / f"shard-{c:05d}.arrow", meta)
+        for b in range(batches):
+            io.put(partial(w.write_packed, [f"{c}-{b}-{i}" for i in range(rows)], ids, masks, aux, fin), None)
+        io.put(partial(sealer.put, w.close, None) if own_sealer else w.close, None)
+    io.close()
+    sealer.close()
+    seconds = time.perf_counter() - t0
+    nbytes = sum(f.stat().st_size for f in d.iterdir())
+    shutil.rmtree(d)
+    return nbytes / seconds / 1e9
 
 
 def main() -> None:
@@ -20,12 +50,23 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1 << 18)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dir", default="/tmp/eyrie-bench-shards")
+    p.add_argument("--extract-writer-shards", type=int, default=0)
+    p.add_argument("--batches-per-shard", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
     meta = ShardMeta(kind="features", target_id="bench", aux_layer_ids=[1, 2, 3], hidden_size=a.hidden,
                      dtype="bfloat16", final_hidden="post_norm")
+    if a.extract_writer_shards:
+        extract_writer_gb_per_s(d, meta, a.seq, 1, a.batches_per_shard, True)  # untimed: the first run was 3x slower
+        for _ in range(a.repeat):
+            for own_sealer in (True, False):
+                rate = extract_writer_gb_per_s(d, meta, a.seq, a.extract_writer_shards, a.batches_per_shard, own_sealer)
+                print(f"extraction writer, seal on {'its own thread' if own_sealer else 'the writer thread'}: "
+                      f"{rate:.2f} GB/s", flush=True)
+        return
+    d.mkdir(parents=True)
     n = a.tokens // a.seq
     aux = torch.randn(a.seq, 3 * a.hidden).bfloat16()
     fin = torch.randn(a.seq, a.hidden).bfloat16()
