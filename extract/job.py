@@ -298,7 +298,7 @@ def run(cfg: EyrieConfig) -> dict | None:
                    disable=not writes)
         io = AsyncShardWriter()
         # A shard's seal (fsync: the disk's speed; checksum: reads it back) on a thread of its own, while the next
-        # shard's rows go into the page cache: one thread doing both kept the disk idle half the time.
+        # shard's rows go into the page cache: one thread doing both wrote 1.5x slower (tests/benchmarks/RESULTS.md).
         sealer = AsyncShardWriter(depth=1)
         unsealed: dict[int, ShardWriter] = {}
 
