@@ -106,6 +106,11 @@ class AsyncShardWriter:
         self.thread.join()
         self._raise()
 
+    def then(self, other: "AsyncShardWriter", work: Callable[[], None]) -> None:
+        """Hand `work` to `other`'s thread once everything queued here so far is written (a shard's seal after
+        its rows), so this thread goes on with what comes next."""
+        self.put(partial(other.put, work, None), None)
+
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
@@ -323,7 +328,7 @@ def run(cfg: EyrieConfig) -> dict | None:
                 extract_chunk(backend, samples, lengths, list(range(c * S, min((c + 1) * S, len(samples)))), writer,
                               io, max_tokens, info.vocab_size, skipped, bar)
                 if writer is not None:  # handed to the sealer once the writer thread has written its rows
-                    io.put(partial(sealer.put, partial(seal, c, writer, skipped), None), None)
+                    io.then(sealer, partial(seal, c, writer, skipped))
             io.close()
             sealer.close()
         except BaseException as e:
