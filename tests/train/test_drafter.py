@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from data.config import DrafterConfig, load_config
 from data.prepare import data_dir
@@ -312,11 +313,42 @@ def test_activation_checkpointing_gives_the_same_gradients(drafter):
     torch.testing.assert_close(grads[0], grads[1])
 
 
-def test_recomputed_logits_give_the_same_loss_and_gradients_and_keep_nothing_vocab_sized(drafter, monkeypatch):
+class _Float32HeadSized(TorchDispatchMode):
+    """Counts the new tensors (not in-place results) of the head's weight size ([draft vocab, H]) in float32."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)]
+        self.count += (isinstance(out, torch.Tensor) and out.shape == self.shape and out.dtype == torch.float32
+                       and not any(out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for a in inputs))
+        return out
+
+
+@pytest.mark.parametrize("chunk_rows", [7, None], ids=["several chunks", "one chunk"])
+def test_recomputed_logits_give_the_same_loss_and_gradients_and_keep_nothing_vocab_sized(drafter, monkeypatch,
+                                                                                         chunk_rows):
     """train.recompute_logits: the head scores its logits without keeping their gradient, which is 28% of what a
-    llama3-8b unroll keeps (tests/benchmarks/saved_activations.py); loss and every gradient are unchanged."""
+    llama3-8b unroll keeps (tests/benchmarks/saved_activations.py); loss and every gradient are unchanged. Its
+    backward makes the head's gradient in the weight's dtype: a float32 [vocab, H] sum only over several chunks
+    (three such temporaries per step were 1.47 GiB of a llama3-8b backward's peak: step_memory.py)."""
     from train import fused
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 7 * drafter.config.draft_vocab_size)  # several chunks per row
+    if chunk_rows:
+        monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_rows * drafter.config.draft_vocab_size)
+    bf16_head = drafter.lm_head.to(torch.bfloat16)  # the weight's dtype differs from float32, as in training
+    x = torch.randn(20, drafter.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.softmax(torch.randn(1, 20, drafter.config.draft_vocab_size), -1).bfloat16()
+    bf16_head.recompute_logits = True
+    loss, _ = bf16_head(x[None], probs, torch.ones(1, 20, dtype=torch.bool), 0)
+    with _Float32HeadSized(bf16_head.weight.shape) as float32_head_sized:
+        loss.backward()
+    bf16_head.recompute_logits = False
+    drafter.lm_head.float()
+    drafter.zero_grad()
+    assert float32_head_sized.count == (1 if chunk_rows else 0)  # the chunks' sum; none for one chunk
     torch.manual_seed(3)
     cfg, B, T = drafter.config, 3, 20
     teacher = Teacher(torch.randn(cfg.vocab_size, cfg.target_hidden_size), drafter.t2d)(

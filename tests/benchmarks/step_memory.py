@@ -1,0 +1,153 @@
+"""What one training step of the product allocates above the memory held between steps, at its peak and at each
+phase's peak, summed by the line of Eyrie's or DeepSpeed's code that allocated it. The step is train/main.py's:
+the DeepSpeed engine from the generated config (bf16), the teacher, `ttt_unroll`, `engine.backward`,
+`engine.step`, here on the CPU: which tensors DeepSpeed and the trainer allocate, and when they free them, does
+not depend on the device (attention does: blockwise here, flex on a GPU), so this explains a GPU peak without a
+GPU. On the GPU, bench_train.py --memory-profile reads the same from torch's allocator history.
+
+    python tests/benchmarks/step_memory.py --shape llama3-8b --T 128 [--zero 2] [--activation-checkpointing]
+        [--recompute-logits] [--zero-extra '{"sub_group_size": 100000000}']
+
+Every new tensor storage an operator returns (views and in-place results share their inputs' storage and are
+not counted) is recorded, from the model's construction on, with the innermost train/, data/ or deepspeed/ frame
+of the Python stack; a finalizer on the storage records its release. Reported: what is alive between steps (after
+a first step has made the optimizer state), and the second step's peak above that. One process (gloo).
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import traceback
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_train  # noqa: E402  (the shapes and drafter config the GPU benchmark uses)
+
+OWNERS = ("/train/", "/data/", "deepspeed/", "benchmarks/step_memory.py")  # the last: the frozen tensors made here
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the storages created while active and not yet released; the set alive at the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[tuple[int, int], tuple[int, str]] = {}
+        self.total = self.peak = 0
+        self.at_peak: dict = {}
+        self.phase = "?"
+        self.phase_peak: dict[str, tuple[int, dict]] = {}
+
+    def _release(self, key) -> None:
+        self.total -= self.live.pop(key)[0]
+
+    def _record(self, storage: torch.UntypedStorage) -> None:
+        key = (storage.data_ptr(), id(storage))
+        if key in self.live or storage.nbytes() == 0:
+            return
+        frames = [f for f in traceback.extract_stack()[:-3] if any(k in f.filename for k in OWNERS)]
+        owner = f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} {frames[-1].name}" \
+            if frames else "?"
+        self.live[key] = (storage.nbytes(), f"{self.phase}: {owner}")
+        self.total += storage.nbytes()
+        weakref.finalize(storage, self._release, key)
+        if self.total > self.peak:
+            self.peak, self.at_peak = self.total, dict(self.live)
+        if self.total > self.phase_peak.get(self.phase, (0, {}))[0]:
+            self.phase_peak[self.phase] = (self.total, dict(self.live))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in inputs:
+                self._record(t.untyped_storage())
+        return out
+
+
+def by_owner(live: dict, top: int) -> dict:
+    owners: dict[str, int] = {}
+    for nbytes, owner in live.values():
+        owners[owner] = owners.get(owner, 0) + nbytes
+    return {k: round(v / 2 ** 30, 3) for k, v in sorted(owners.items(), key=lambda kv: -kv[1])[:top]
+            if v >= 2 ** 20}
+
+
+def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, recompute_logits: bool,
+                zero_extra: dict) -> dict:
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(k, v)
+    from data.config import TrainConfig
+    from train.drafter import Eagle3Drafter
+    from train.engine import deepspeed_config, init_engine
+    from train.main import setup_distributed
+    from train.teacher import Teacher
+    from train.ttt import ttt_unroll
+    setup_distributed()
+    s = bench_train.SHAPES[shape]
+    tracker = LiveStorages()  # from the start: what stays between steps is measured too
+    tracker.phase = "setup"
+    with tracker:
+        torch.manual_seed(0)
+        d2t, t2d = bench_train.vocab(s)
+        model = Eagle3Drafter(bench_train.llama_config(s), d2t, t2d).to(torch.bfloat16)
+        model.set_attention("blockwise")
+        model.activation_checkpointing = activation_checkpointing
+        model.lm_head.recompute_logits = recompute_logits
+        config = TrainConfig()
+        config.optim.zero_stage = zero
+        ds = deepspeed_config(config, 1000, bf16=True)
+        ds["zero_optimization"].update(zero_extra)
+        engine = init_engine(model, ds)
+        teacher = Teacher(torch.randn(s["Vt"], s["Ht"], dtype=torch.bfloat16) * 0.02, t2d)
+        ids = torch.randint(0, s["Vd"], (1, T))
+        aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
+        mask, lengths = torch.ones_like(ids, dtype=torch.bool), torch.tensor([T])
+
+        def step():
+            tracker.phase = "teacher"
+            probs = teacher(final)
+            tracker.phase = "forward"
+            r = ttt_unroll(engine, ids, aux, mask, lengths, probs, bench_train.STEPS, bench_train.DECAY)
+            tracker.phase = "backward"
+            engine.backward(r.loss)
+            tracker.phase = "optimizer"
+            engine.step()
+
+        step()  # the first step allocates the optimizer state: measure the second
+        gc.collect()
+        between = dict(tracker.live)
+        resident = tracker.total
+        tracker.peak, tracker.phase_peak = resident, {}
+        step()
+    above = lambda live: {k: v for k, v in live.items() if k not in between}  # noqa: E731
+    trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
+    engine.destroy()
+    return {"shape": shape, "T": T, "zero_stage": zero, "gradient_clipping": ds["gradient_clipping"],
+            "activation_checkpointing": activation_checkpointing, "recompute_logits": recompute_logits,
+            "trainable_params_m": round(trainable / 1e6, 1),
+            "between_steps_gib": round(resident / 2 ** 30, 3), "between_steps_by_owner_gib": by_owner(between, 8),
+            "step_peak_above_between_steps_gib": round((tracker.peak - resident) / 2 ** 30, 3),
+            "at_peak_by_owner_gib": by_owner(above(tracker.at_peak), 8),
+            "phase_peaks_above_between_steps_gib": {
+                name: {"total": round((total - resident) / 2 ** 30, 3), "by_owner": by_owner(above(live), 6)}
+                for name, (total, live) in tracker.phase_peak.items()}}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(bench_train.SHAPES))
+    p.add_argument("--T", type=int, default=128)
+    p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3))
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--recompute-logits", action="store_true")
+    p.add_argument("--zero-extra", default="{}", help='more zero_optimization keys, JSON')
+    a = p.parse_args()
+    print(json.dumps(step_memory(a.shape, a.T, a.zero, a.activation_checkpointing, a.recompute_logits,
+                                 json.loads(a.zero_extra)), indent=1))
