@@ -69,12 +69,16 @@ class SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         V = logits.shape[-1]
         flat, p, w = logits.detach().reshape(-1, V), target_p.reshape(-1, V), weight.reshape(-1).float()
-        grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        chunks = _chunks(flat.shape[0], V)
+        # one chunk (up to 2,097 rows at a 32K vocab): its gradient is kept as made, not copied into a buffer
+        grad = torch.empty_like(flat) if ctx.needs_input_grad[0] and len(chunks) != 1 else None
         total = flat.new_zeros((), dtype=torch.float32)
-        for s, e in _chunks(flat.shape[0], V):
+        for s, e in chunks:
             loss, g = _soft_ce_chunk(flat[s:e], p[s:e], w[s:e])
             total += loss
-            if grad is not None:
+            if len(chunks) == 1:
+                grad = g if ctx.needs_input_grad[0] else None
+            elif grad is not None:
                 grad[s:e] = g
         ctx.save_for_backward(grad)
         ctx.shape = logits.shape

@@ -20,9 +20,10 @@ def saved_bytes(fn) -> int:
     return total[0], out
 
 
+@pytest.mark.parametrize("chunk_rows", [3, 14], ids=["several chunks, the last one short", "one chunk"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_soft_cross_entropy_matches_autograd(monkeypatch, dtype, tol):
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 3 * 50)  # several chunks, the last one short
+def test_soft_cross_entropy_matches_autograd(monkeypatch, dtype, tol, chunk_rows):
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_rows * 50)
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype).requires_grad_()
     p = torch.softmax(torch.randn(2, 7, 50, generator=g) * 2, -1).to(dtype)
