@@ -123,8 +123,8 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
             g = _soft_ce_chunk(F.linear(x[s:e], weight), p[s:e], w[s:e])[1]
             grad_x[s:e] = g @ weight
             # the head's gradient as the default path's backward makes it: one matmul (fp32 accumulation inside)
-            # in the weight's dtype; only several chunks sum in fp32. Before, three fp32 [vocab, H] temporaries
-            # per step were alive at the backward's peak (1.47 GiB at llama3-8b: tests/benchmarks/step_memory.py)
+            # in the weight's dtype, summed in fp32 only over several chunks. fp32 [vocab, H] temporaries here
+            # were 1.47 GiB of a llama3-8b backward's peak (tests/benchmarks/step_memory.py)
             part = g.T @ x[s:e]
             grad_w = part if len(chunks) == 1 else part.float() if grad_w is None else grad_w.add_(part)
         if grad_w is None:  # no scored rows
