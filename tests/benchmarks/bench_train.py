@@ -78,6 +78,20 @@ def vocab(s: dict):
     return d2t, t2d
 
 
+def bf16_cpu_drafter(s: dict, activation_checkpointing: bool, recompute_logits: bool):
+    """The product's drafter and a random teacher head at a benchmark shape, bf16, blockwise attention: what the
+    CPU bookkeeping scripts (saved_activations.py, step_memory.py) measure."""
+    from train.drafter import Eagle3Drafter
+    from train.teacher import Teacher
+    torch.manual_seed(0)
+    d2t, t2d = vocab(s)
+    model = Eagle3Drafter(llama_config(s), d2t, t2d).to(torch.bfloat16)
+    model.set_attention("blockwise")
+    model.activation_checkpointing = activation_checkpointing
+    model.lm_head.recompute_logits = recompute_logits
+    return model, Teacher(torch.randn(s["Vt"], s["Ht"], dtype=torch.bfloat16) * 0.02, t2d)
+
+
 @dataclass
 class Inputs:
     ids: torch.Tensor

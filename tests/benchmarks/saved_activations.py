@@ -16,20 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_train  # noqa: E402  (the shapes and the drafter config the GPU benchmark uses)
 
-from train.drafter import Eagle3Drafter  # noqa: E402
-from train.teacher import Teacher  # noqa: E402
 from train.ttt import ttt_unroll  # noqa: E402
 
 
 def saved_bytes(shape: str, T: int, activation_checkpointing: bool, recompute_logits: bool) -> dict:
     s = bench_train.SHAPES[shape]
-    torch.manual_seed(0)
-    d2t, t2d = bench_train.vocab(s)
-    model = Eagle3Drafter(bench_train.llama_config(s), d2t, t2d).to(torch.bfloat16)
-    model.set_attention("blockwise")
-    model.activation_checkpointing = activation_checkpointing
-    model.lm_head.recompute_logits = recompute_logits
-    teacher = Teacher(torch.randn(s["Vt"], s["Ht"], dtype=torch.bfloat16) * 0.02, t2d)
+    model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
     ids = torch.randint(0, s["Vd"], (1, T))
     aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
     probs = teacher(final)

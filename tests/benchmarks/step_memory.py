@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_train  # noqa: E402  (the shapes and drafter config the GPU benchmark uses)
 
-OWNERS = ("/train/", "/data/", "deepspeed/", "benchmarks/step_memory.py")  # the last: the frozen tensors made here
+OWNERS = ("/train/", "/data/", "deepspeed/", "benchmarks/")  # the last: the frozen tensors made there
 
 
 class LiveStorages(TorchDispatchMode):
@@ -84,28 +84,20 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
                  "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(k, v)
     from data.config import TrainConfig
-    from train.drafter import Eagle3Drafter
     from train.engine import deepspeed_config, init_engine
     from train.main import setup_distributed
-    from train.teacher import Teacher
     from train.ttt import ttt_unroll
     setup_distributed()
     s = bench_train.SHAPES[shape]
     tracker = LiveStorages()  # from the start: what stays between steps is measured too
     tracker.phase = "setup"
     with tracker:
-        torch.manual_seed(0)
-        d2t, t2d = bench_train.vocab(s)
-        model = Eagle3Drafter(bench_train.llama_config(s), d2t, t2d).to(torch.bfloat16)
-        model.set_attention("blockwise")
-        model.activation_checkpointing = activation_checkpointing
-        model.lm_head.recompute_logits = recompute_logits
+        model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
         config = TrainConfig()
         config.optim.zero_stage = zero
         ds = deepspeed_config(config, 1000, bf16=True)
         ds["zero_optimization"].update(zero_extra)
         engine = init_engine(model, ds)
-        teacher = Teacher(torch.randn(s["Vt"], s["Ht"], dtype=torch.bfloat16) * 0.02, t2d)
         ids = torch.randint(0, s["Vd"], (1, T))
         aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
         mask, lengths = torch.ones_like(ids, dtype=torch.bool), torch.tensor([T])
