@@ -11,7 +11,9 @@ GPU. On the GPU, bench_train.py --memory-profile reads the same from torch's all
 Every new tensor storage an operator returns (views and in-place results share their inputs' storage and are
 not counted) is recorded, from the model's construction on, with the innermost train/, data/ or deepspeed/ frame
 of the Python stack; a finalizer on the storage records its release. Reported: what is alive between steps (after
-a first step has made the optimizer state), and the second step's peak above that. One process (gloo).
+a first step has made the optimizer state), the second step's peak above that, and the bytes its optimizer step's
+operators read and write (tensor inputs, new outputs, inputs written in place; on a GPU that step is bound by
+memory bandwidth). One process (gloo).
 """
 import argparse
 import gc
@@ -42,6 +44,7 @@ class LiveStorages(TorchDispatchMode):
         self.at_peak: dict = {}
         self.phase = "?"
         self.phase_peak: dict[str, tuple[int, dict]] = {}
+        self.optimizer_moved: dict[str, int] = {}  # bytes read and written by the optimizer step's operators
 
     def _release(self, key) -> None:
         self.total -= self.live.pop(key)[0]
@@ -50,10 +53,7 @@ class LiveStorages(TorchDispatchMode):
         key = (storage.data_ptr(), id(storage))
         if key in self.live or storage.nbytes() == 0:
             return
-        frames = [f for f in traceback.extract_stack()[:-3] if any(k in f.filename for k in OWNERS)]
-        owner = f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} {frames[-1].name}" \
-            if frames else "?"
-        self.live[key] = (storage.nbytes(), f"{self.phase}: {owner}")
+        self.live[key] = (storage.nbytes(), f"{self.phase}: {_owner()}")
         self.total += storage.nbytes()
         weakref.finalize(storage, self._release, key)
         if self.total > self.peak:
@@ -64,10 +64,26 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in inputs:
-                self._record(t.untyped_storage())
+        new = [t for t in tree_leaves(out)
+               if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in inputs]
+        for t in new:
+            self._record(t.untyped_storage())
+        if self.phase == "optimizer":
+            # read: the tensor inputs; written: new outputs and the inputs the schema marks as written in place
+            written = [a for arg, a in zip(func._schema.arguments, args) if arg.alias_info and arg.alias_info.is_write]
+            if new or written:  # else a view: nothing moves
+                key = f"{func} {_owner()}"
+                self.optimizer_moved[key] = self.optimizer_moved.get(key, 0) + _nbytes((args, kwargs, new, written))
         return out
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _owner() -> str:
+    frames = [f for f in traceback.extract_stack()[:-3] if any(k in f.filename for k in OWNERS)]
+    return f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
 
 
 def by_owner(live: dict, top: int) -> dict:
@@ -116,7 +132,7 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
         gc.collect()
         between = dict(tracker.live)
         resident = tracker.total
-        tracker.peak, tracker.phase_peak = resident, {}
+        tracker.peak, tracker.phase_peak, tracker.optimizer_moved = resident, {}, {}
         step()
     above = lambda live: {k: v for k, v in live.items() if k not in between}  # noqa: E731
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
@@ -127,6 +143,10 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
             "between_steps_gib": round(resident / 2 ** 30, 3), "between_steps_by_owner_gib": by_owner(between, 8),
             "step_peak_above_between_steps_gib": round((tracker.peak - resident) / 2 ** 30, 3),
             "at_peak_by_owner_gib": by_owner(above(tracker.at_peak), 8),
+            "optimizer_step_moved_gb": round(sum(tracker.optimizer_moved.values()) / 1e9, 2),
+            "optimizer_step_moved_bytes_per_trainable_param": round(sum(tracker.optimizer_moved.values()) / trainable, 1),
+            "optimizer_step_moved_by_op_gb": {k: round(v / 1e9, 2) for k, v in sorted(
+                tracker.optimizer_moved.items(), key=lambda kv: -kv[1])[:8]},
             "phase_peaks_above_between_steps_gib": {
                 name: {"total": round((total - resident) / 2 ** 30, 3), "by_owner": by_owner(above(live), 6)}
                 for name, (total, live) in tracker.phase_peak.items()}}
