@@ -9,11 +9,11 @@ GPU. On the GPU, bench_train.py --memory-profile reads the same from torch's all
         [--recompute-logits] [--zero-extra '{"sub_group_size": 100000000}']
 
 Every new tensor storage an operator returns (views and in-place results share their inputs' storage and are
-not counted) is recorded, from the model's construction on, with the innermost train/, data/ or deepspeed/ frame
-of the Python stack; a finalizer on the storage records its release. Reported: what is alive between steps (after
-a first step has made the optimizer state), the second step's peak above that, and the bytes its optimizer step's
-operators read and write (tensor inputs, new outputs, inputs written in place; on a GPU that step is bound by
-memory bandwidth). One process (gloo).
+not counted) is recorded, from the model's construction on, with the innermost train/, data/, deepspeed/ (or, for
+the frozen tensors the benchmarks make, benchmarks/) frame of the Python stack; a finalizer on the storage records
+its release. Reported: what is alive between steps (after a first step has made the optimizer state), the second
+step's peak above that, and the bytes its optimizer step's operators read and write (tensor inputs, new outputs,
+inputs written in place; on a GPU that step is bound by memory bandwidth). One process (gloo).
 """
 import argparse
 import gc
@@ -136,6 +136,7 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
         step()
     above = lambda live: {k: v for k, v in live.items() if k not in between}  # noqa: E731
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
+    moved = sum(tracker.optimizer_moved.values())
     engine.destroy()
     return {"shape": shape, "T": T, "zero_stage": zero, "gradient_clipping": ds["gradient_clipping"],
             "activation_checkpointing": activation_checkpointing, "recompute_logits": recompute_logits,
@@ -143,8 +144,8 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
             "between_steps_gib": round(resident / 2 ** 30, 3), "between_steps_by_owner_gib": by_owner(between, 8),
             "step_peak_above_between_steps_gib": round((tracker.peak - resident) / 2 ** 30, 3),
             "at_peak_by_owner_gib": by_owner(above(tracker.at_peak), 8),
-            "optimizer_step_moved_gb": round(sum(tracker.optimizer_moved.values()) / 1e9, 2),
-            "optimizer_step_moved_bytes_per_trainable_param": round(sum(tracker.optimizer_moved.values()) / trainable, 1),
+            "optimizer_step_moved_gb": round(moved / 1e9, 2),
+            "optimizer_step_moved_bytes_per_trainable_param": round(moved / trainable, 1),
             "optimizer_step_moved_by_op_gb": {k: round(v / 1e9, 2) for k, v in sorted(
                 tracker.optimizer_moved.items(), key=lambda kv: -kv[1])[:8]},
             "phase_peaks_above_between_steps_gib": {
