@@ -126,7 +126,12 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
             # in the weight's dtype, summed in fp32 only over several chunks. fp32 [vocab, H] temporaries here
             # were 1.47 GiB of a llama3-8b backward's peak (tests/benchmarks/step_memory.py)
             part = g.T @ x[s:e]
-            grad_w = part if len(chunks) == 1 else part.float() if grad_w is None else grad_w.add_(part)
+            if len(chunks) == 1:
+                grad_w = part
+            elif grad_w is None:
+                grad_w = part.float()
+            else:
+                grad_w.add_(part)
         if grad_w is None:  # no scored rows
             grad_w = torch.zeros_like(weight)
         return grad_x, grad_w.to(weight.dtype), None, None

@@ -35,7 +35,10 @@ def extract_writer_gb_per_s(d: Path, meta: ShardMeta, seq: int, shards: int, bat
         w = ShardWriter(d / f"shard-{c:05d}.arrow", meta)
         for b in range(batches):
             io.put(partial(w.write_packed, [f"{c}-{b}-{i}" for i in range(rows)], ids, masks, aux, fin), None)
-        io.then(sealer, w.close) if own_sealer else io.put(w.close, None)
+        if own_sealer:
+            io.then(sealer, w.close)
+        else:
+            io.put(w.close, None)
     io.close()
     sealer.close()
     seconds = time.perf_counter() - t0
