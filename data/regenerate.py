@@ -154,14 +154,14 @@ def unsupported_roles(conv: Conversation) -> set[str]:
     return {m["role"] for m in conv.messages} - REGENERATABLE_ROLES
 
 
-def _partial_path(out_path: Path) -> Path:
+def partial_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".partial")
 
 
 def finished_rows(out_path: Path) -> dict[str, dict]:
     """What earlier runs regenerated, by conversation id: the finished file and a killed run's partial one."""
     done: dict[str, dict] = {}
-    for path in (out_path, _partial_path(out_path)):
+    for path in (out_path, partial_path(out_path)):
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -176,7 +176,7 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
                cfg: RegenerateConfig, concurrency: int | None = None) -> dict:
     """Regenerate into `out_path` (JSONL), resuming from what it already holds; returns the report."""
     out_path = Path(out_path)
-    partial = _partial_path(out_path)
+    partial = partial_path(out_path)
     done = finished_rows(out_path)
     report = {"input": len(conversations), "succeeded": 0, "resumed": 0, "errors": 0, "skipped": 0,
               "truncated_replies": 0, "error_examples": [], "skipped_reasons": {}}

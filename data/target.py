@@ -20,7 +20,8 @@ class TargetInfo:
     dtype: str = "float32"  # the declared weight dtype; SGLang's `--dtype auto` reads it (absent = float32)
 
     def aux_layer_ids(self, configured: list[int] | None = None) -> list[int]:
-        """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4]."""
+        """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4]. Ids SGLang
+        would serve on other layers than the drafter trains on are refused here, before any extraction."""
         ids = list(configured) if configured is not None else \
             [1, self.num_layers // 2 - 1, self.num_layers - 4]
         bad = [i for i in ids if not 0 <= i < self.num_layers]
@@ -28,7 +29,46 @@ class TargetInfo:
             raise ValueError(f"aux layer ids {bad} outside 0..{self.num_layers - 1} for {self.path}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"aux layer ids {ids} repeat a layer (small targets need explicit, distinct ids)")
+        problem = sglang_serving_problem(self.architecture, self.num_layers, ids)
+        if problem:
+            raise ValueError(f"aux layer ids {ids} for {self.path}: {problem}")
         return ids
+
+    def drafter_layer_ids(self, written: list[int]) -> list[int]:
+        """The layer outputs SGLang feeds a drafter whose config names `written` (an imported drafter's ids
+        mean what SGLang does with them on this target), checked as aux_layer_ids checks."""
+        return self.aux_layer_ids(sglang_captured_outputs(self.architecture, written))
+
+
+# SGLang's DeepseekV2ForCausalLM and the models built on it (sglang/srt/models/deepseek_v2.py,
+# kimi_k25.py, mistral_large_3.py, glm4_moe.py, glm4_moe_lite.py; 0.5.14 to 0.5.23 at least) add 1 to
+# eagle_aux_hidden_state_layer_ids only when the first id is 1, and otherwise capture at layer `id` itself
+# (the input of layer id = the output of layer id - 1; id 0 = the embedding). So on these targets a published
+# drafter's [2, 30, 58] means the outputs of layers [1, 29, 57], and [0, 1, 2] is served one layer early.
+SGLANG_FIRST_ID_ONE_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "MistralLarge3ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM"}
+
+
+def sglang_captured_outputs(architecture: str, written: list[int]) -> list[int]:
+    """Which decoder layers' outputs SGLang captures for a drafter config naming `written` (-1: the embedding)."""
+    if architecture in SGLANG_FIRST_ID_ONE_ARCHITECTURES and written and written[0] != 1:
+        return [i - 1 for i in written]
+    return list(written)
+
+
+def sglang_serving_problem(architecture: str, num_layers: int, ids: list[int]) -> str | None:
+    """Why SGLang would feed a drafter trained on layer outputs `ids` other states, or None."""
+    if num_layers - 1 in ids:
+        # every SGLang model captures a layer's output at the next layer's input, inside the layer loop
+        return (f"SGLang captures layer i's output at the input of layer i + 1, so the last layer's output "
+                f"(id {num_layers - 1}) never reaches a drafter; use ids up to {num_layers - 2}")
+    served = sglang_captured_outputs(architecture, ids)
+    if served != ids:
+        return (f"SGLang's {architecture} reads ids whose first is not 1 as layer inputs "
+                f"(set_eagle3_layers_to_capture), so it would serve this drafter the outputs of layers {served} "
+                f"(-1 = the embedding); ids starting with 1 mean the same to SGLang and to Eyrie")
+    return None
 
 
 def declared_dtype(config: dict) -> str | None:

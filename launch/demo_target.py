@@ -114,11 +114,12 @@ SGLANG_MLA_DIMS = {"num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_r
                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 
 
-def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 4, heads: int = 4,
+def build_tiny_deepseek(out_dir: str | Path, vocab_size: int, hidden: int = 64, layers: int = 5, heads: int = 4,
                         seed: int = 0, bos_token_id: int = 0, eos_token_id: int = 4, rope_parameters: dict | None = None,
                         **overrides):
     """A randomly initialised DeepseekV3 (MLA attention, a dense first layer, then MoE layers): the Kimi-K2.5 /
-    DeepSeek-V3 architecture at toy size. `overrides`: other DeepseekV3Config fields."""
+    DeepSeek-V3 architecture at toy size. `overrides`: other DeepseekV3Config fields. Five layers: the fewest
+    with three aux ids SGLang serves on this architecture, [1, 2, 3] (data.target.sglang_serving_problem)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 from data.config import ConfigError, EyrieConfig, load_config
 from data.prepare import samples_dir
-from data.regenerate import regenerated_path, report_path
+from data.regenerate import partial_path, regenerated_path, report_path
 from data.shards import MANIFEST, atomic_write_json, read_manifest
 from extract.job import features_dir
 
@@ -100,6 +100,37 @@ def stage_done(cfg: EyrieConfig, stage: str, prints: dict[str, str]) -> bool:
     record = _record(cfg, stage)
     return outputs(cfg)[stage].exists() and record.exists() and \
         json.loads(record.read_text()).get("fingerprint") == prints[stage]
+
+
+def resumable_work(cfg: EyrieConfig) -> dict[str, list[Path]]:
+    """What a stage resumes from when it finds it (answers, shards, checkpoints). The stages know their own
+    config but not the target's weights, so the pipeline, whose fingerprints do, moves it aside when it was
+    made for other inputs: a retrained target at the same path must not resume from the old one's work."""
+    regenerated = regenerated_path(cfg)
+    return {"regenerate": [regenerated, partial_path(regenerated), report_path(regenerated)],
+            "extract": [features_dir(cfg)], "train": [Path(cfg.run_dir) / "train"]}
+
+
+def made_for(cfg: EyrieConfig, stage: str) -> str | None:
+    """The fingerprint of the inputs a stage's existing work was started (or finished) for."""
+    for record in (_record(cfg, stage).with_suffix(".started.json"), _record(cfg, stage)):
+        if record.exists():
+            return json.loads(record.read_text()).get("fingerprint")
+    return None
+
+
+def set_aside_work_of_other_inputs(cfg: EyrieConfig, stage: str, fingerprint: str) -> list[Path]:
+    """Before a stage runs: move aside (kept, not deleted) what it would resume from if that was made for other
+    inputs, then record the inputs it now starts for (a killed run of the same inputs resumes)."""
+    moved = []
+    if made_for(cfg, stage) not in (None, fingerprint):
+        for path in filter(Path.exists, resumable_work(cfg).get(stage, [])):
+            moved.append(_move_aside(path))
+            print(f"[pipeline] {stage}: {path} was made for other inputs; moved to {moved[-1]}", flush=True)
+    started = _record(cfg, stage).with_suffix(".started.json")
+    started.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(started, {"fingerprint": fingerprint})
+    return moved
 
 
 def _move_aside(path: Path) -> Path:
@@ -277,9 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         if stage_done(cfg, stage, prints):
             print(f"[pipeline] {stage}: complete, inputs unchanged; skipped", flush=True)
             continue
-        if stage == "train" and outputs(cfg)["train"].exists():  # finished for other inputs: keep it, start anew
-            moved = _move_aside(run_dir / "train")
-            print(f"[pipeline] train: {run_dir / 'train'} was trained on other inputs; moved to {moved}", flush=True)
+        set_aside_work_of_other_inputs(cfg, stage, prints[stage])
         start = time.time()
         with served_target(cfg) if stage == "regenerate" else contextlib.nullcontext():
             for cmd in commands[stage]:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from data.target import declared_dtype
+from data.target import declared_dtype, load_target_info
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
 from train.mla import ARCH as MLA_ARCH
@@ -141,11 +141,22 @@ def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], where: str,
         raise DrafterDirError(f"{where}: not a valid SGLang EAGLE-3 drafter:\n  " + "\n  ".join(problems))
 
 
+def served_layer_ids(config: LlamaConfig, target: str | Path, directory: str | Path) -> list[int]:
+    written = list(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    try:
+        return load_target_info(target).drafter_layer_ids(written)
+    except ValueError as e:
+        raise DrafterDirError(f"{directory}: eagle_aux_hidden_state_layer_ids {written}: {e}") from None
+
+
 def load_drafter(directory: str | Path, target: str | Path, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """An exported (SGLang-format) drafter as a module; the embedding is the target's unless it ships one."""
+    """An exported (SGLang-format) drafter as a module; the embedding is the target's unless it ships one. Its
+    config's layer ids become the layer outputs SGLang would feed it on this target (the same ids, except on
+    DeepseekV2-family targets for ids not starting with 1: data.target.sglang_captured_outputs)."""
     config, tensors = read_config(directory), read_tensors(directory)
     validate(config, tensors, str(directory))
+    config.eagle_config["eagle_aux_hidden_state_layer_ids"] = served_layer_ids(config, target, directory)
     model = Eagle3Drafter(config, tensors.pop("d2t"), tensors.pop("t2d"))
     if "embed_tokens.weight" not in tensors:
         tensors["embed_tokens.weight"] = load_target_tensors(target, ["embed"])["embed"]

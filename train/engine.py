@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from data.config import ConfigError, TrainConfig
 from data.shards import atomic_write_json
+from data.target import load_target_info
 
 STATE_FILE = "trainer_state.json"
 BEST_FILE = "best.json"
@@ -94,9 +95,16 @@ def init_engine(model: torch.nn.Module, ds_config: dict):
     return engine
 
 
-def warm_start(model: torch.nn.Module, drafter_dir: str | Path) -> list[str]:
-    """Copy an exported (SGLang-format) drafter's weights into `model`; its draft vocab must be ours."""
+def warm_start(model: torch.nn.Module, drafter_dir: str | Path, target: str | Path) -> list[str]:
+    """Copy an exported (SGLang-format) drafter's weights into `model`; its draft vocab must be ours and the
+    layers SGLang feeds it on `target` the ones our shards hold."""
     path = Path(drafter_dir)
+    written = (json.loads((path / "config.json").read_text()).get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    own = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    if written is None or load_target_info(target).drafter_layer_ids(written) != list(own):
+        raise ValueError(f"{path}: its eagle_aux_hidden_state_layer_ids {written} do not name the layers this "
+                         f"run's shards hold, {own} (data.target.sglang_captured_outputs says what they mean)")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no safetensors in the warm-start drafter directory")

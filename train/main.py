@@ -86,7 +86,7 @@ def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> 
     else:  # a drafter narrower than the target learns its own embedding (exported with it)
         model.embed_tokens.weight.requires_grad_(True)
     if cfg.train.warm_start:
-        warm_start(model, cfg.train.warm_start)
+        warm_start(model, cfg.train.warm_start, cfg.target.path)
     model.set_attention(cfg.train.attention if cfg.train.attention != "auto" else
                         "flex" if device.type == "cuda" else "blockwise")
     model.activation_checkpointing = cfg.train.activation_checkpointing

@@ -17,14 +17,15 @@ from data.shards import MANIFEST, ShardDataset, ShardError
 from launch.demo_target import DEEPSEEK_V3_SGLANG_FIELDS, make_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [0, 1, 2]
+# SGLang serves DeepseekV3 targets only ids starting with 1 (data.target.sglang_captured_outputs); id L-1 never
+LAYERS = {"llama": [0, 1, 2], "deepseek_v3": [1, 2, 3]}
 
 
 def build_deepseek(out: Path, tok) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     torch.manual_seed(0)
     cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                           num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                           num_hidden_layers=5, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
                            n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
                            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                            max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -43,7 +44,7 @@ def prepared(request, tiny_target, make_tokenizer, tmp_path_factory):
         build_deepseek(target, make_tokenizer("llama3"))
     convs = base / "c.jsonl"
     convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(48, seed=5)))
-    cfg = {"run_dir": str(base / "run"), "target": {"path": str(target), "aux_layer_ids": LAYERS},
+    cfg = {"run_dir": str(base / "run"), "target": {"path": str(target), "aux_layer_ids": LAYERS[request.param]},
            "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 64},
            "extract": {"samples_per_shard": 5}}
     path = base / "run.yaml"
@@ -87,7 +88,8 @@ def test_two_ranks_match_a_direct_forward_bit_exactly(prepared):
     manifest = json.loads((run / "features" / MANIFEST).read_text())
     samples = ShardDataset(run / "data" / "samples")
     assert manifest["totals"]["rows"] == len(samples) and len(manifest["shards"]) == -(-len(samples) // 5)
-    assert manifest["meta"]["aux_layer_ids"] == LAYERS and manifest["meta"]["final_hidden"] == "post_norm"
+    model_type = json.loads((target / "config.json").read_text())["model_type"]
+    assert manifest["meta"]["aux_layer_ids"] == LAYERS[model_type] and manifest["meta"]["final_hidden"] == "post_norm"
     assert {r["rank"] for r in manifest["ranks"]} == {0, 1} and all(r["samples"] > 0 for r in manifest["ranks"])
     # the disk budget printed before extraction is what the shards then took (Arrow framing aside)
     budget = re.search(r"disk budget: ([\d,]+) tokens left x ([\d,]+) bytes/token", out)
@@ -112,7 +114,8 @@ def check_against_direct_forward(model, samples, features):
         assert torch.equal(f.input_ids, by_id[f.sample_id].input_ids)
         with torch.no_grad():
             hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
-        expected = torch.cat([hs[k + 1][0] for k in LAYERS], dim=-1)  # SGLang id k = output of layer k
+        # SGLang id k = output of layer k
+        expected = torch.cat([hs[k + 1][0] for k in LAYERS[model.config.model_type]], dim=-1)
         assert torch.equal(f.aux_hidden, expected), f.sample_id
         assert torch.equal(f.final_hidden, hs[-1][0])  # post-norm, as transformers returns the last entry
 
@@ -124,7 +127,7 @@ def forwards(target: Path, features: ShardDataset, every: int):
         f = features[i]
         with torch.no_grad():
             hs = model(f.input_ids.long()[None], output_hidden_states=True).hidden_states
-        yield f, torch.cat([hs[k + 1][0] for k in LAYERS], -1), hs[-1][0]
+        yield f, torch.cat([hs[k + 1][0] for k in LAYERS[model.config.model_type]], -1), hs[-1][0]
 
 
 def test_batched_forward_matches_closely_and_fp8_within_e4m3_precision_in_fewer_bytes(prepared):

@@ -58,7 +58,9 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
     features = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())
     assert features["meta"]["dtype"] == "bfloat16" and report["features"]["rows"] == 30
     # new features: the old drafter run is kept aside and a new one trains on them
-    assert "was trained on other inputs; moved to" in changed and (tmp_path / "run" / "train.prev-1").is_dir()
+    assert "train was made for other inputs; moved to" in changed and (tmp_path / "run" / "train.prev-1").is_dir()
+    assert "features was made for other inputs; moved to" in changed  # its shards are not resumed either
+    assert (tmp_path / "run" / "features.prev-1" / "manifest.json").exists()
     assert report["train"]["steps"] == 3 and "resumed" not in changed
 
     # an input file changed (same config): its stage and everything downstream run again
@@ -66,6 +68,25 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
     edited = pipeline(config, "--extract.dtype", "bfloat16", stages="data,extract")
     assert "-m data --config" in edited and "-m extract --config" in edited
     assert json.loads((tmp_path / "run" / "report.json").read_text())["samples"] == 31
+
+
+def test_work_made_for_other_inputs_is_set_aside_and_a_killed_run_of_the_same_inputs_resumes(tmp_path):
+    """The regenerate stage resumes from the answers it finds; after the target changed (a retrained checkpoint
+    at the same path, same config) they are the old target's and must not be reused."""
+    from data.regenerate import partial_path, regenerated_path
+    from launch.pipeline import set_aside_work_of_other_inputs
+    cfg = config_with(run_dir=str(tmp_path / "run"))
+    answers = regenerated_path(cfg)
+    answers.parent.mkdir(parents=True)
+    answers.write_text("old target\n")
+    partial_path(answers).write_text("old target, unfinished\n")
+    assert set_aside_work_of_other_inputs(cfg, "regenerate", "first") == []  # no record: a fresh run
+    assert set_aside_work_of_other_inputs(cfg, "regenerate", "first") == []  # killed, same inputs: resume
+    assert answers.exists()
+    moved = set_aside_work_of_other_inputs(cfg, "regenerate", "second")  # the target's files changed
+    assert sorted(p.name for p in moved) == [answers.name + ".partial.prev-1", answers.name + ".prev-1"]
+    assert not answers.exists() and answers.with_name(answers.name + ".prev-1").read_text() == "old target\n"
+    assert set_aside_work_of_other_inputs(cfg, "regenerate", "second") == []
 
 
 def config_with(**sections):

@@ -1,5 +1,6 @@
 """The drafter against an independent EAGLE-3 reference, the teacher, the loader, and a one-batch overfit."""
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -387,17 +388,26 @@ def test_recomputed_logits_give_the_same_loss_and_gradients_and_keep_nothing_voc
     assert kept == 5 and kept_r == 0  # the default keeps a logits gradient per step; recomputing keeps none
 
 
-def test_warm_start_from_an_exported_drafter(drafter, tmp_path):
+def test_warm_start_from_an_exported_drafter(drafter, features_run, tmp_path):
     from train.engine import warm_start
+    target = load_config(features_run[0]).target.path
     exported = {k: v.clone() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     save_file(exported, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}))
     fresh = Eagle3Drafter(drafter.config, drafter.d2t, drafter.t2d)
-    loaded = warm_start(fresh, tmp_path)
+    loaded = warm_start(fresh, tmp_path, target)
     assert "midlayer.self_attn.q_proj.weight" in loaded and "embed_tokens.weight" not in loaded
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in exported.items())
     save_file(exported | {"d2t": torch.roll(drafter.d2t, 1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t differs"):
-        warm_start(fresh, tmp_path)
+        warm_start(fresh, tmp_path, target)
     save_file(exported | {"midlayer.extra.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="midlayer.extra.weight"):
-        warm_start(fresh, tmp_path)
+        warm_start(fresh, tmp_path, target)
+    save_file(exported, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}))
+    with pytest.raises(ValueError, match=r"ids \[3\] outside 0..3|last layer's output"):
+        warm_start(fresh, tmp_path, target)
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 1]}}))
+    with pytest.raises(ValueError, match=r"do not name the layers this run's shards hold, \[0, 1, 2\]"):
+        warm_start(fresh, tmp_path, target)

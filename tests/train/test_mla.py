@@ -30,7 +30,7 @@ def deepseek_target(request, make_tokenizer, tmp_path_factory):
 
 def mla_drafter(target, **shape) -> Eagle3Drafter:
     info = load_target_info(target)
-    config = drafter_config(info, DrafterConfig(arch="mla", **shape), 16, [0, 1, 2])
+    config = drafter_config(info, DrafterConfig(arch="mla", **shape), 16, [1, 2, 3])
     vocab = info.vocab_size
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:16] = True
