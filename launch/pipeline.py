@@ -3,7 +3,8 @@
 Runs the stages in order as the commands a user could type, printing each one. A stage is skipped when its
 output exists and its fingerprint is unchanged: a hash of the config sections it depends on, of its external
 inputs (conversation files and the target's files, by path, size and modification time, as make does) and of
-the upstream stage's fingerprint, so a change re-runs exactly the stages downstream of it.
+the upstream stage's fingerprint, so a change re-runs exactly the stages downstream of it. What a re-run stage
+would resume from is moved aside (NAME.prev-N) when it was made for other inputs.
 
 Stages: regenerate (self-distillation: the target answers the prompts again, when data.regenerate.enabled),
 data (tokenize, loss masks, draft vocab), extract (torchrun), train (deepspeed),

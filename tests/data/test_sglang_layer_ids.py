@@ -80,7 +80,7 @@ def write_target(path: Path, architecture: str, layers: int) -> Path:
 
 
 def test_kimi_ids_are_refused_where_sglang_would_serve_other_layers_and_imported_ids_are_translated(tmp_path):
-    kimi = load_target_info(write_target(tmp_path / "kimi", "KimiK25ForConditionalGeneration", 61))
+    kimi = load_target_info(write_target(tmp_path / "kimi", KIMI, 61))
     assert kimi.aux_layer_ids() == [1, 29, 57]
     with pytest.raises(ValueError, match=r"outputs of layers \[1, 29, 57\]"):
         kimi.aux_layer_ids([2, 30, 58])
