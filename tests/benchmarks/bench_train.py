@@ -20,8 +20,9 @@ Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
 the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
 
---profile prints one step's top CUDA kernels at the first T; every row's split_host_ms says how long the host took
-to launch each phase (close to split_ms: the GPU waited for the host). --memory-profile adds `live_at_peak` to the
+--profile runs one step at the first T under torch's profiler (host and GPU): top kernels, the host ops that took
+the most launching time, kernels launched and how long the GPU was busy (row key profile; the trace, gzipped, in
+$PROFILE_DIR). Every row's split_host_ms says how long the host took to launch each phase (close to split_ms: the GPU waited for the host). --memory-profile adds `live_at_peak` to the
 first T's rows: the step's allocations alive at its peak memory, by the code that made them.
 
 --loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
@@ -33,6 +34,7 @@ import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -249,6 +251,30 @@ def memory_at_peak(step, top: int = 12) -> dict:
             "by_owner_gib": {k: [round(v[0] / 2 ** 30, 3), v[1]] for k, v in ranked}}
 
 
+def profile_step(step, name: str) -> dict:
+    """One step under torch's profiler (host and GPU): the top kernels, the host ops that cost the most
+    launching time, and how much of the step the GPU was busy (a launch-bound step leaves it idle). The trace
+    is written gzipped to $PROFILE_DIR (default: the working directory)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=80), flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80), flush=True)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6  # device_time in us; overlap between streams is rare here
+    trace = Path(os.environ.get("PROFILE_DIR", ".")) / f"trace-{name}.json"
+    prof.export_chrome_trace(str(trace))
+    subprocess.run(["gzip", "-f", str(trace)], check=False)
+    return {"wall_ms": round(wall * 1e3, 1), "kernels": len(kernels), "kernel_busy_ms": round(busy * 1e3, 1),
+            "cuda_launches": sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                                       "cuLaunchKernel", "cuLaunchKernelEx"))}
+
+
 def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops: float, ckpt: bool,
              profile: bool = False, memory_profile: bool = False) -> list[dict]:
     s = SHAPES[shape]
@@ -280,11 +306,7 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
             print(json.dumps(rows[-1]), flush=True)
             continue
         if profile and T == lengths[0]:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                runner.step(x, Timer())
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90),
-                  flush=True)
+            row["profile"] = profile_step(lambda: runner.step(x, Timer(sync=False)), f"{peer}-{shape}-{T}")
         if memory_profile and T == lengths[0]:
             row["live_at_peak"] = memory_at_peak(lambda: runner.step(x, Timer(sync=False)))
         row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
@@ -355,7 +377,7 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="eyrie: recompute the layer per step")
     p.add_argument("--loader-samples", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step at the first T")
+    p.add_argument("--profile", action="store_true", help="at the first T: one step under the profiler (top kernels, host ops, GPU busy share; trace to $PROFILE_DIR)")
     p.add_argument("--memory-profile", action="store_true",
                    help="at the first T: what one step's peak memory is made of (row key live_at_peak)")
     a = p.parse_args()
