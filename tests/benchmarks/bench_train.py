@@ -251,11 +251,40 @@ def memory_at_peak(step, top: int = 12) -> dict:
             "by_owner_gib": {k: [round(v[0] / 2 ** 30, 3), v[1]] for k, v in ranked}}
 
 
+def host_syncs(step) -> dict[str, int]:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode), by the innermost line of
+    Eyrie's, DeepSpeed's or SpecForge's code: a wait inside a phase stalls the launches queued behind it."""
+    import traceback
+    import warnings
+    found: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(k in f.filename for k in ("/train/", "/data/", "deepspeed", "specforge"))]
+        where = f"{'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno}" if frames else "?"
+        key = f"{where} {str(message)[:60]}"
+        found[key] = found.get(key, 0) + 1
+
+    torch.cuda.synchronize()
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return found
+
+
 def profile_step(step, name: str) -> dict:
     """One step under torch's profiler (host and GPU): the top kernels, the host ops that cost the most
     launching time, and how much of the step the GPU was busy (a launch-bound step leaves it idle). The trace
     is written gzipped to $PROFILE_DIR (default: the working directory)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
+    syncs = host_syncs(step)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
         t0 = time.perf_counter()
@@ -270,7 +299,7 @@ def profile_step(step, name: str) -> dict:
     trace = Path(os.environ.get("PROFILE_DIR", ".")) / f"trace-{name}.json"
     prof.export_chrome_trace(str(trace))
     subprocess.run(["gzip", "-f", str(trace)], check=False)
-    return {"wall_ms": round(wall * 1e3, 1), "kernels": len(kernels), "kernel_busy_ms": round(busy * 1e3, 1),
+    return {"host_syncs": syncs, "wall_ms": round(wall * 1e3, 1), "kernels": len(kernels), "kernel_busy_ms": round(busy * 1e3, 1),
             "cuda_launches": sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
                                                                        "cuLaunchKernel", "cuLaunchKernelEx"))}
 
