@@ -182,18 +182,18 @@ class Eagle3Drafter(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 past: list[tuple[torch.Tensor, torch.Tensor]] = (), cache: "KVCache | None" = None,
-                target: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> StepOutput:
+                target: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
         """One draft step over a whole sequence. `hidden` is the target's aux states [B, T, 3·H_target] on
         the first step (projected by fc, as in SGLang) and the previous step's output after that; `past`
         holds the keys/values of the earlier steps of this unroll. With `cache` (decoding) the new positions
         attend causally to everything cached instead. With `target` (the teacher's probs [B, T, draft_vocab],
-        a mask [B, T], a shift) the head also scores position t against probs[:, t + shift] (`loss`)."""
+        a mask [B, T], a shift) the head also scores position t against probs[:, t + shift] (`loss`). `rope`:
+        `self.rope(position_ids)` when the caller has it already (the unroll computes it once for all steps)."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
-        if self.rotary_emb.inv_freq.dtype != torch.float32:
-            self.rotary_emb.inv_freq = self._inv_freq32.to(hidden.device)
-        cos, sin = self.rotary_emb(hidden, position_ids)
+        cos, sin = rope or self.rope(position_ids, hidden.dtype)
         flat = [t for kv in past for t in kv]
         if self.activation_checkpointing and torch.is_grad_enabled():
             h, k, v = checkpoint(self.midlayer, embeds, hidden, cos, sin, *flat, use_reentrant=False)
@@ -204,6 +204,12 @@ class Eagle3Drafter(nn.Module):
         probs, mask, shift = target
         loss, logits = self.lm_head(self.norm(h), probs, mask, shift)
         return StepOutput(h, logits, k, v, loss)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [B, T, rotary dims] at the positions (angles in fp32), in `dtype`."""
+        if self.rotary_emb.inv_freq.dtype != torch.float32:
+            self.rotary_emb.inv_freq = self._inv_freq32.to(position_ids.device)
+        return self.rotary_emb(position_ids.new_empty((), dtype=dtype), position_ids)  # reads x's device, dtype
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -31,7 +31,9 @@ def on_cuda_compiled(fn):
     Every graph dynamo makes is an Inductor compile of seconds on the GPU (forward and backward apart), so
     the inputs must not vary in what dynamo guards: callers pass detached tensors where autograd does not
     run through fn (requires_grad is guarded), and duck sizing is off (else two sizes equal on the first
-    call, e.g. batch size and head count, are assumed equal forever and recompile when they are not)."""
+    call, e.g. batch size and head count, are assumed equal forever and recompile when they are not). Duck
+    sizing is switched off for the process, once: a config patch around each call cost ~40 us of host time, and
+    a TTT step on an H200 makes ~100 of these calls while its GPU waits for the host (RESULTS.md)."""
     compiled = functools.cache(lambda backend: torch.compile(fn, dynamic=True, backend=backend))
 
     @functools.wraps(fn)
@@ -39,8 +41,8 @@ def on_cuda_compiled(fn):
         backend = "inductor" if x.is_cuda else CPU_COMPILE_BACKEND
         if backend is None:
             return fn(x, *args)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(backend)(x, *args)
+        torch.fx.experimental._config.use_duck_shape = False
+        return compiled(backend)(x, *args)
     return wrapper
 
 
@@ -230,6 +232,12 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # torch's fused kernel, one launch each way, keeping what _RMSNorm keeps (the input, fp32 rstd). _RMSNorm
+            # cost ~300 us of host time per call on the H200 (an autograd.Function around a compiled function),
+            # 28 calls a step while the GPU waited. It rounds once, (x * rstd * weight) in fp32, as SGLang's
+            # RMSNorm kernel does; LlamaRMSNorm (and _RMSNorm) round x * rstd first: < 1 bf16 ulp apart.
+            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight, self.variance_epsilon)[0]
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
         return _rms_forward(x, self.weight.detach(), self.variance_epsilon)[0]

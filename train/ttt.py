@@ -135,12 +135,16 @@ def flex_causal_attention(q, k, v, scale):
     return out[:, :, :T], lse[:, :, :T].float()
 
 
+def _shifts(x: torch.Tensor, upto: int, fill=0) -> list[torch.Tensor]:
+    """[x shifted by n for n in 0..upto]: x[:, t + n] at t, `fill` past the end. Views of one padded copy: the
+    unroll's shifts cost no kernel launches per step (the host, not the GPU, paced a 2k-token step)."""
+    B, T = x.shape[:2]
+    padded = torch.cat([x, x.new_full((B, upto, *x.shape[2:]), fill)], dim=1)
+    return [padded[:, n:n + T] for n in range(upto + 1)]
+
+
 def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x[:, t + n] at t, `fill` past the end."""
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, :x.shape[1] - n] = x[:, n:]
-    return out
+    return _shifts(x, n, fill)[n]
 
 
 @dataclass
@@ -175,20 +179,24 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     step_loss, correct, counted, alive = [], [], [], []
     chain = first = None
     depth = torch.zeros(B, T, dtype=torch.int8, device=device)
+    scored_at, in_vocab_at = _shifts(loss_mask, steps + 1, False), _shifts(teacher.in_vocab, steps, False)
+    ids_at, target_ids_at = _shifts(input_ids, steps), _shifts(teacher.target_ids, steps)
+    cos, sin = drafter.rope(torch.arange(T + steps, device=device)[None], drafter.fc.weight.dtype)  # sliced per step
     for j in range(steps):
         # Step j at t predicts x[t+j+2]: scored where that token carries loss; trained only where the target's
         # own choice at t+j+1 is in the draft vocab (EAGLE-3 masks the rest: no draft could match it).
-        scored = _shift(loss_mask, j + 2, False)
-        mask = scored & _shift(teacher.in_vocab, j + 1, False)
+        scored = scored_at[j + 2]
+        mask = scored & in_vocab_at[j + 1]
         n = mask.sum()
         # the loss against the teacher's distribution at t+j+1 is computed in the drafter's head (see DraftHead)
-        out = model(_shift(input_ids, j + 1), hidden, positions + j, past, target=(teacher.probs, mask, j + 1))
+        out = model(ids_at[j + 1], hidden, positions + j, past, target=(teacher.probs, mask, j + 1),
+                    rope=(cos[:, j:j + T], sin[:, j:j + T]))
         hidden, past = out.hidden, past + [(out.key, out.value)]
         loss_j = out.loss / n.clamp(min=1)
         total = total + decay ** j * loss_j
         with torch.no_grad():
             draft = out.logits.argmax(-1)
-            hit = (drafter.to_target_ids(draft) == _shift(teacher.target_ids, j + 1)) & scored
+            hit = (drafter.to_target_ids(draft) == target_ids_at[j + 1]) & scored
             first = scored if first is None else first
             chain = hit if chain is None else chain & hit
             depth += chain
