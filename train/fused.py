@@ -224,7 +224,8 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm (same parameter, same value) with _RMSNorm when training."""
+    """transformers' LlamaRMSNorm (same parameter, same value) with _RMSNorm when training on the CPU; torch's
+    fused RMSNorm on CUDA."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
