@@ -189,7 +189,7 @@ class Eagle3Drafter(nn.Module):
         holds the keys/values of the earlier steps of this unroll. With `cache` (decoding) the new positions
         attend causally to everything cached instead. With `target` (the teacher's probs [B, T, draft_vocab],
         a mask [B, T], a shift) the head also scores position t against probs[:, t + shift] (`loss`). `rope`:
-        `self.rope(position_ids)` when the caller has it already (the unroll computes it once for all steps)."""
+        `self.rope(position_ids, dtype)` when the caller has it already (the unroll computes it once for all steps)."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)

@@ -144,6 +144,7 @@ def _shifts(x: torch.Tensor, upto: int, fill=0) -> list[torch.Tensor]:
 
 
 def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t + n] at t, `fill` past the end."""
     return _shifts(x, n, fill)[n]
 
 
