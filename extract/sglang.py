@@ -4,9 +4,10 @@ The numerics that will serve are the numerics the drafter learns from. SGLang is
 `sglang.bench_one_batch` drives it (one `ModelRunner` per rank; `ScheduleBatch.init_new` →
 `prepare_for_extend` → `ForwardBatch.init_new` → `forward`), with the model's built-in EAGLE-3 capture
 (`set_eagle3_layers_to_capture(ids)`: SGLang adds 1 itself, so id i is the output of decoder layer i, our
-convention; DeepseekV2-family models add it only when the first id is 1, which data.target requires there) and `Req(return_hidden_states=True)`, which returns the aux states `[tokens, n_aux * H]`
-concatenated and flat over the batch's requests. The final state (post-norm, as the hf backend stores it) is
-read with a forward hook on the model's final norm. The states stay GPU tensors; nothing of SGLang is
+convention; DeepseekV2-family models add it only when the first id is 1, which data.target requires there)
+and `Req(return_hidden_states=True)`, which returns the aux states `[tokens, n_aux * H]` concatenated and
+flat over the batch's requests. The final state (post-norm, as the hf backend stores it) is read with a
+forward hook on the model's final norm. The states stay GPU tensors; nothing of SGLang is
 patched. Every version-specific call is in this module; versions not listed in TESTED_VERSIONS are refused.
 
 Measured on the H200 (tests/benchmarks/RESULTS.md): parity with the hf backend min cosine 0.99997 (aux),

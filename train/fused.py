@@ -9,6 +9,7 @@ cannot cheaply recompute, and compute the same values.
 Their elementwise math runs as eager PyTorch on the CPU and through torch.compile on CUDA (`on_cuda_compiled`):
 eager, each of those ops is a kernel reading and writing whole tensors, which cost a TTT step on an H200 ~40% of
 its time; compiled, each function is one or two fused kernels. dynamic=True: one compile serves every length.
+RMSNorm on CUDA is torch's own fused kernel instead (RMSNorm.forward); `_RMSNorm` serves the CPU.
 """
 from __future__ import annotations
 
@@ -190,14 +191,12 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate, grad_up, grad_w
 
 
-@on_cuda_compiled
 def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
-@on_cuda_compiled
 def _rms_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
     xhat = x.float() * rstd
     grad_weight = (grad_out * xhat.to(x.dtype)).float().flatten(0, -2).sum(0).to(weight.dtype)

@@ -182,7 +182,8 @@ def ttt_unroll(model, input_ids: torch.Tensor, aux_hidden: torch.Tensor, loss_ma
     depth = torch.zeros(B, T, dtype=torch.int8, device=device)
     scored_at, in_vocab_at = _shifts(loss_mask, steps + 1, False), _shifts(teacher.in_vocab, steps, False)
     ids_at, target_ids_at = _shifts(input_ids, steps), _shifts(teacher.target_ids, steps)
-    cos, sin = drafter.rope(torch.arange(T + steps, device=device)[None], drafter.fc.weight.dtype)  # sliced per step
+    # RoPE at every position an unroll step uses, once; step j reads positions t + j
+    cos, sin = drafter.rope(torch.arange(T + steps, device=device)[None], drafter.fc.weight.dtype)
     for j in range(steps):
         # Step j at t predicts x[t+j+2]: scored where that token carries loss; trained only where the target's
         # own choice at t+j+1 is in the draft vocab (EAGLE-3 masks the rest: no draft could match it).

@@ -22,8 +22,9 @@ the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the 
 
 --profile runs one step at the first T under torch's profiler (host and GPU): top kernels, the host ops that took
 the most launching time, kernels launched and how long the GPU was busy (row key profile; the trace, gzipped, in
-$PROFILE_DIR). Every row's split_host_ms says how long the host took to launch each phase (close to split_ms: the GPU waited for the host). --memory-profile adds `live_at_peak` to the
-first T's rows: the step's allocations alive at its peak memory, by the code that made them.
+$PROFILE_DIR). Every row's split_host_ms says how long the host took to launch each phase (close to split_ms:
+the GPU waited for the host). --memory-profile adds `live_at_peak` to the first T's rows: the step's allocations
+alive at its peak memory, by the code that made them.
 
 --loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
 writer and streams them through the trainer's loader (FeatureData.stream: collate + pin on a thread) while
@@ -266,8 +267,7 @@ def host_syncs(step) -> dict[str, int]:
         found[key] = found.get(key, 0) + 1
 
     torch.cuda.synchronize()
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning on exit
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
@@ -275,7 +275,6 @@ def host_syncs(step) -> dict[str, int]:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
     return found
 
 
@@ -299,7 +298,8 @@ def profile_step(step, name: str) -> dict:
     trace = Path(os.environ.get("PROFILE_DIR", ".")) / f"trace-{name}.json"
     prof.export_chrome_trace(str(trace))
     subprocess.run(["gzip", "-f", str(trace)], check=False)
-    return {"host_syncs": syncs, "wall_ms": round(wall * 1e3, 1), "kernels": len(kernels), "kernel_busy_ms": round(busy * 1e3, 1),
+    return {"host_syncs": syncs, "wall_ms": round(wall * 1e3, 1), "kernels": len(kernels),
+            "kernel_busy_ms": round(busy * 1e3, 1),
             "cuda_launches": sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
                                                                        "cuLaunchKernel", "cuLaunchKernelEx"))}
 
@@ -406,7 +406,8 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="eyrie: recompute the layer per step")
     p.add_argument("--loader-samples", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", action="store_true", help="at the first T: one step under the profiler (top kernels, host ops, GPU busy share; trace to $PROFILE_DIR)")
+    p.add_argument("--profile", action="store_true",
+                   help="at the first T: one step under the profiler (kernels, host ops; trace to $PROFILE_DIR)")
     p.add_argument("--memory-profile", action="store_true",
                    help="at the first T: what one step's peak memory is made of (row key live_at_peak)")
     a = p.parse_args()
