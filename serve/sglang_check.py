@@ -1,6 +1,7 @@
 """Load a drafter directory through SGLang's own loader, on CPU, and prove every tensor landed.
 
-    python -m serve.sglang_check DRAFTER_DIR     (prints a JSON report; exit 1 when the check fails)
+    python -m serve.sglang_check DRAFTER_DIR [DRAFTER_DIR ...]
+        (prints a JSON report per directory; exit 1 when any check fails)
 
 `ModelConfig.from_server_args(..., is_draft_model=True)` + `get_model` resolve the architecture the way the
 server does. Loading without an error proves nothing: `load_weights` silently skips unknown names and a
@@ -90,9 +91,10 @@ def check(directory: str | Path) -> dict:
     except ImportError:  # 0.5.14: the global server args
         from sglang.srt.server_args import set_global_server_args_for_scheduler
         set_global_server_args_for_scheduler(args)
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
-    initialize_model_parallel(backend="gloo")
+    if not torch.distributed.is_initialized():  # once per process: several directories share it
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+        initialize_model_parallel(backend="gloo")
 
     file_names: set[str] = set()
     for f in Path(directory).glob("*.safetensors"):
@@ -142,22 +144,45 @@ def check(directory: str | Path) -> dict:
             "tensors_in_file": len(file_names), "problems": problems, "ok": not problems}
 
 
-def check_in_subprocess(directory: str | Path, timeout: float = 600) -> dict:
-    out = subprocess.run([sys.executable, "-m", "serve.sglang_check", str(directory)], capture_output=True,
+def check_each(directories: list[str]) -> list[dict]:
+    """check() for each directory in this process (SGLang imports its model registry once: ~8 s on a CPU); a
+    loader that raises is that directory's problem, not the end of the others' checks."""
+    reports = []
+    for directory in directories:
+        try:
+            reports.append(check(directory))
+        except Exception as e:  # noqa: BLE001  (SGLang's loader raises what it raises: shape asserts, KeyErrors)
+            reports.append({"architecture": None, "problems": [f"SGLang's loader raised {type(e).__name__}: {e}"],
+                            "ok": False})
+        reports[-1]["directory"] = str(directory)
+    return reports
+
+
+def check_in_subprocess(directories: str | Path | list, timeout: float = 600, raise_on_problem: bool = True):
+    """The reports of check_each, run in a fresh interpreter: one report for one directory, a list for a list.
+    A failed check raises DrafterDirError naming its problems unless `raise_on_problem` is false."""
+    many = isinstance(directories, list)
+    paths = [str(d) for d in directories] if many else [str(directories)]
+    out = subprocess.run([sys.executable, "-m", "serve.sglang_check", *paths], capture_output=True,
                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
-    lines = out.stdout.strip().splitlines()
-    try:
-        report = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise RuntimeError(f"SGLang loader check crashed for {directory}:\n{out.stdout[-3000:]}\n"
+    try:  # the last lines: one report per directory, in order
+        reports = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(paths):]]
+        complete = [r.get("directory") for r in reports] == paths
+    except (ValueError, AttributeError):
+        complete = False
+    if not complete:
+        raise RuntimeError(f"SGLang loader check crashed for {', '.join(paths)}:\n{out.stdout[-3000:]}\n"
                            f"{out.stderr[-3000:]}") from None
-    if not report["ok"]:
+    failed = [r for r in reports if not r["ok"]]
+    if failed and raise_on_problem:
         from .drafter_dir import DrafterDirError
-        raise DrafterDirError(f"{directory}: SGLang's loader check failed:\n  " + "\n  ".join(report["problems"]))
-    return report
+        raise DrafterDirError("\n".join(f"{r['directory']}: SGLang's loader check failed:\n  " +
+                                         "\n  ".join(r["problems"]) for r in failed))
+    return reports if many else reports[0]
 
 
 if __name__ == "__main__":
-    result = check(sys.argv[1])
-    print(json.dumps(result))
-    sys.exit(0 if result["ok"] else 1)
+    results = check_each(sys.argv[1:])
+    for result in results:
+        print(json.dumps(result))
+    sys.exit(0 if all(r["ok"] for r in results) else 1)

@@ -112,37 +112,53 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     export_and_check_with_sglang(drafter, tmp_path / "mla")
 
 
-@pytest.fixture(scope="module")
-def deepseek_demo_assets(tmp_path_factory):
-    """A tiny DeepseekV3 target trained on the demo corpus, and conversations of the same tasks (narrow MLA
-    widths: nothing here serves it through SGLang)."""
-    from launch.demo_target import build_demo_assets
-    out = tmp_path_factory.mktemp("deepseek-demo")
-    build_demo_assets(out, conversations=200, train_steps=300, arch="deepseek_v3", servable_mla=False)
-    return out
-
-
-@pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_both_drafters_end_to_end_on_a_trained_tiny_deepseek_target(arch, deepseek_demo_assets, tmp_path):
-    """DeepseekV3 target → regenerate → data → extract (2 ranks) → train (ZeRO-2, 2 ranks, either drafter) →
-    export → reference decoder: lossless, and well above the same drafter untrained."""
-    import json
+def _pipeline(config: dict, path, *args: str) -> str:
     import subprocess
     import sys
 
     import yaml
 
     from tests.conftest import ROOT
-    config = yaml.safe_load((ROOT / "launch" / "configs" / "demo-deepseek.yaml").read_text())
-    config["run_dir"] = str(tmp_path / "run")
-    config["target"]["path"] = str(deepseek_demo_assets / "target")
-    config["data"]["inputs"] = [str(deepseek_demo_assets / "conversations.jsonl")]
-    config["train"] |= {"eval_fraction": 0.1, "drafter": {"arch": arch}}
-    path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path), *args], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def deepseek_demo_features(tmp_path_factory):
+    """A tiny DeepseekV3 target trained on the demo corpus (narrow MLA widths: nothing here serves it through
+    SGLang), and the demo-deepseek pipeline's first stages on it: regenerate → data → extract (2 ranks).
+    Returns (config, run dir); the drafters' runs start from copies of it, as a second run_dir would."""
+    import yaml
+
+    from launch.demo_target import build_demo_assets
+    from tests.conftest import ROOT
+    out = tmp_path_factory.mktemp("deepseek-demo")
+    build_demo_assets(out / "assets", conversations=200, train_steps=300, arch="deepseek_v3", servable_mla=False)
+    config = yaml.safe_load((ROOT / "launch" / "configs" / "demo-deepseek.yaml").read_text())
+    config["run_dir"] = str(out / "run")
+    config["target"]["path"] = str(out / "assets" / "target")
+    config["data"]["inputs"] = [str(out / "assets" / "conversations.jsonl")]
+    config["train"] |= {"eval_fraction": 0.1}
+    _pipeline(config, out / "run.yaml", "--stages", "regenerate,data,extract")
+    return config, out / "run"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_both_drafters_end_to_end_on_a_trained_tiny_deepseek_target(arch, deepseek_demo_features, tmp_path):
+    """DeepseekV3 target → regenerate → data → extract (2 ranks; shared by both) → train (ZeRO-2, 2 ranks, either
+    drafter) → export → reference decoder: lossless, and well above the same drafter untrained."""
+    import json
+    import shutil
+    config, features_run = deepseek_demo_features
+    shutil.copytree(features_run, tmp_path / "run")
+    config = json.loads(json.dumps(config))
+    config["run_dir"] = str(tmp_path / "run")
+    config["train"] |= {"drafter": {"arch": arch}}
+    out = _pipeline(config, tmp_path / "run.yaml")
+    assert "extract: complete, inputs unchanged; skipped" in out and "-m serve.export" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     drafter = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert drafter["architectures"] == [{"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[arch]]
