@@ -146,7 +146,7 @@ def maybe_check_with_sglang(directory: Path) -> dict | str:
         return ("not run: SGLang builds an MLA drafter's RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); "
                 "this drafter has plain RoPE, so its loader check needs a GPU machine")
     from .sglang_check import check_in_subprocess
-    return check_in_subprocess(directory)
+    return check_in_subprocess(directory)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

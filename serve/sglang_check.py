@@ -158,11 +158,10 @@ def check_each(directories: list[str]) -> list[dict]:
     return reports
 
 
-def check_in_subprocess(directories: str | Path | list, timeout: float = 600, raise_on_problem: bool = True):
-    """The reports of check_each, run in a fresh interpreter: one report for one directory, a list for a list.
-    A failed check raises DrafterDirError naming its problems unless `raise_on_problem` is false."""
-    many = isinstance(directories, list)
-    paths = [str(d) for d in directories] if many else [str(directories)]
+def check_in_subprocess(*directories: str | Path, timeout: float = 600, raise_on_problem: bool = True) -> list[dict]:
+    """check_each's reports, from a fresh interpreter. A failed check raises DrafterDirError naming its
+    problems unless `raise_on_problem` is false."""
+    paths = [str(d) for d in directories]
     out = subprocess.run([sys.executable, "-m", "serve.sglang_check", *paths], capture_output=True,
                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
     try:  # the last lines: one report per directory, in order
@@ -178,7 +177,7 @@ def check_in_subprocess(directories: str | Path | list, timeout: float = 600, ra
         from .drafter_dir import DrafterDirError
         raise DrafterDirError("\n".join(f"{r['directory']}: SGLang's loader check failed:\n  " +
                                          "\n  ".join(r["problems"]) for r in failed))
-    return reports if many else reports[0]
+    return reports
 
 
 if __name__ == "__main__":

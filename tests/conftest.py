@@ -100,24 +100,13 @@ def zero3_run(features_run, tmp_path_factory):
 def demo_run(tmp_path_factory):
     """The README demo at reduced scale, through the real pipeline: a trained tiny target, self-distilled data,
     extraction, two-rank DeepSpeed training, export (through SGLang's loader when installed), evaluation."""
-    import subprocess
-
-    import yaml
-
     from launch.demo_target import build_demo_assets
+    from tests.train_runs import demo_config, run_pipeline
     root = tmp_path_factory.mktemp("demo")
     build_demo_assets(root / "assets", conversations=240, train_steps=300)
-    config = yaml.safe_load((ROOT / "launch" / "configs" / "demo.yaml").read_text())
-    config["run_dir"] = str(root / "run")
-    config["target"]["path"] = str(root / "assets" / "target")
-    config["data"]["inputs"] = [str(root / "assets" / "conversations.jsonl")]
-    config["train"] |= {"eval_fraction": 0.1}
     path = root / "demo.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path)], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-    return root / "run", path, out.stdout
+    out = run_pipeline(demo_config("demo.yaml", root / "assets", root / "run"), path=path)
+    return root / "run", path, out
 
 
 RELIABILITY: list[dict] = []

@@ -1,9 +1,13 @@
-"""Shared by the train and serve tests: a run directory with features, and real DeepSpeed launches."""
+"""Shared by the tests: a run directory with features, real DeepSpeed launches, pipeline runs of the demo configs."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import yaml
 
 from launch.pipeline import free_port
 
@@ -48,3 +52,32 @@ def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training loss from the JSONL log (the last record of a step wins: a resumed run re-logs)."""
     rows = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+
+def demo_config(name: str, assets: Path, run_dir: Path) -> dict:
+    """launch/configs/NAME pointed at demo assets built by launch.demo_target and at `run_dir`, evaluating on
+    a tenth of the samples."""
+    config = yaml.safe_load((ROOT / "launch" / "configs" / name).read_text())
+    config["run_dir"] = str(run_dir)
+    config["target"]["path"] = str(assets / "target")
+    config["data"]["inputs"] = [str(assets / "conversations.jsonl")]
+    config["train"] |= {"eval_fraction": 0.1}
+    return config
+
+
+def run_pipeline(config: Path | dict, *args: str, path: Path | None = None, timeout: float = 600) -> str:
+    """`python -m launch.pipeline --config CONFIG ARGS` (a dict is written to `path` first); what it printed. A
+    failure shows its output; a hang fails with it too (its whole process group is killed)."""
+    if isinstance(config, dict):
+        path.write_text(yaml.safe_dump(config))
+        config = path
+    proc = subprocess.Popen([sys.executable, "-m", "launch.pipeline", "--config", str(config), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the pipeline hung for {timeout:.0f} s; it printed:\n{out[-6000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out

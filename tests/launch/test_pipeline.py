@@ -1,7 +1,5 @@
 """The pipeline runs the stages as commands, skips completed ones, and re-runs exactly what a change affects."""
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,23 +7,13 @@ from pathlib import Path
 import pytest
 
 from launch.demo_target import make_conversations
+from tests.train_runs import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def pipeline(config, *args, stages="data,extract,train"):
-    """Run the pipeline; a hang fails with what it printed (its whole process group is killed)."""
-    proc = subprocess.Popen([sys.executable, "-m", "launch.pipeline", "--config", str(config), "--stages", stages,
-                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the pipeline hung for 400 s; it printed:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_pipeline(config, "--stages", stages, *args, timeout=400)
 
 
 def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, tmp_path):

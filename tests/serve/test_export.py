@@ -91,7 +91,7 @@ def test_broken_drafters_fail_sglangs_own_loader(exported, tmp_path):
     one interpreter checks them all, the good one among them."""
     from serve.sglang_check import check_in_subprocess
     bad = [_break(exported[0] / "zero2", tmp_path / how.replace(" ", "-"), how) for how in BROKEN]
-    reports = check_in_subprocess([exported[0] / "zero2", *bad], raise_on_problem=False)
+    reports = check_in_subprocess(exported[0] / "zero2", *bad, raise_on_problem=False)
     assert reports[0]["ok"], reports[0]
     problems = {how: " ".join(r["problems"]) for how, r in zip(BROKEN, reports[1:])}
     assert "up_proj" in problems["misnamed tensor"] and "not written" in problems["misnamed tensor"], problems

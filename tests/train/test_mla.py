@@ -44,7 +44,7 @@ def export_and_check_with_sglang(drafter: Eagle3Drafter, out) -> None:
     from serve.sglang_check import check_in_subprocess
     tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     write_drafter_dir(out, drafter.config, tensors, "test")
-    report = check_in_subprocess(out)
+    report = check_in_subprocess(out)[0]
     assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
 
 
@@ -112,37 +112,17 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     export_and_check_with_sglang(drafter, tmp_path / "mla")
 
 
-def _pipeline(config: dict, path, *args: str) -> str:
-    import subprocess
-    import sys
-
-    import yaml
-
-    from tests.conftest import ROOT
-    path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "launch.pipeline", "--config", str(path), *args], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-    return out.stdout
-
-
 @pytest.fixture(scope="module")
 def deepseek_demo_features(tmp_path_factory):
     """A tiny DeepseekV3 target trained on the demo corpus (narrow MLA widths: nothing here serves it through
     SGLang), and the demo-deepseek pipeline's first stages on it: regenerate → data → extract (2 ranks).
     Returns (config, run dir); the drafters' runs start from copies of it, as a second run_dir would."""
-    import yaml
-
     from launch.demo_target import build_demo_assets
-    from tests.conftest import ROOT
+    from tests.train_runs import demo_config, run_pipeline
     out = tmp_path_factory.mktemp("deepseek-demo")
     build_demo_assets(out / "assets", conversations=200, train_steps=300, arch="deepseek_v3", servable_mla=False)
-    config = yaml.safe_load((ROOT / "launch" / "configs" / "demo-deepseek.yaml").read_text())
-    config["run_dir"] = str(out / "run")
-    config["target"]["path"] = str(out / "assets" / "target")
-    config["data"]["inputs"] = [str(out / "assets" / "conversations.jsonl")]
-    config["train"] |= {"eval_fraction": 0.1}
-    _pipeline(config, out / "run.yaml", "--stages", "regenerate,data,extract")
+    config = demo_config("demo-deepseek.yaml", out / "assets", out / "run")
+    run_pipeline(config, "--stages", "regenerate,data,extract", path=out / "run.yaml")
     return config, out / "run"
 
 
@@ -152,12 +132,14 @@ def test_both_drafters_end_to_end_on_a_trained_tiny_deepseek_target(arch, deepse
     drafter) → export → reference decoder: lossless, and well above the same drafter untrained."""
     import json
     import shutil
+
+    from tests.train_runs import run_pipeline
     config, features_run = deepseek_demo_features
     shutil.copytree(features_run, tmp_path / "run")
     config = json.loads(json.dumps(config))
     config["run_dir"] = str(tmp_path / "run")
     config["train"] |= {"drafter": {"arch": arch}}
-    out = _pipeline(config, tmp_path / "run.yaml")
+    out = run_pipeline(config, path=tmp_path / "run.yaml")
     assert "extract: complete, inputs unchanged; skipped" in out and "-m serve.export" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     drafter = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
