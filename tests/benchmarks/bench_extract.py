@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from data.config import EyrieConfig
+import data.shards as shards
 from data.shards import ShardMeta, ShardWriter, write_manifest
 from extract.job import _to_host, run
 
@@ -69,6 +70,9 @@ def main() -> None:
     p.add_argument("--aux-encoding", default="raw", choices=["raw", "fp8_e4m3_rowscale"],
                    help="extract.aux_encoding of the job phase")
     p.add_argument("--no-warmup", action="store_true", help="sglang job: skip the warm-up process")
+    p.add_argument("--writeback-mb", default=str(shards.WRITEBACK_BYTES >> 20),
+                   help="job phase: one job per value, in order (e.g. 256,0,256,0): MB a shard writer lets "
+                        "accumulate before it starts the disk write (data.shards.WRITEBACK_BYTES; 0 = at the fsync)")
     a = p.parse_args()
     if a.backend == "sglang" and "job" in a.phases.split(",") and not a.no_warmup:
         import subprocess
@@ -113,15 +117,18 @@ def main() -> None:
 
     phases = a.phases.split(",")
     if "job" in phases:
-        job(cfg, result, flops_per_token, peak, run_dir)
+        for i, mb in enumerate(int(x) for x in a.writeback_mb.split(",")):
+            shards.WRITEBACK_BYTES = mb << 20
+            result["writeback_mb"] = mb
+            job(cfg, result, flops_per_token, peak, run_dir, warm=i > 0)
     if "forward" in phases:
         forward(cfg, result, flops_per_token, peak, a, target, ids, tc.vocab_size)
 
 
-def job(cfg, result, flops_per_token, peak, run_dir) -> None:
-    if cfg.extract.backend == "hf":  # warm-up pass (kernels, allocator, page cache); SGLang: see main()
+def job(cfg, result, flops_per_token, peak, run_dir, warm: bool) -> None:
+    if cfg.extract.backend == "hf" and not warm:  # warm-up pass (kernels, allocator, page cache); SGLang: main()
         run(cfg)
-        shutil.rmtree(run_dir / "features")
+    shutil.rmtree(run_dir / "features", ignore_errors=True)
     t = time.perf_counter()
     manifest = run(cfg)
     job_s = time.perf_counter() - t
