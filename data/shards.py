@@ -145,6 +145,39 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
 
 
+class _ChecksummedFile:
+    """A shard's file, hashed as it is written (Arrow writes through it as a `pa.PythonFile`): the manifest's
+    checksum then needs no second read of the shard, which at close would be work nothing overlaps."""
+
+    def __init__(self, path: Path):
+        self.fh = open(path, "wb", buffering=0)
+        self.xxh3 = xxhash.xxh3_128()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.xxh3.update(view)
+        n = len(view)
+        while view:  # a raw write may take less than it was given
+            view = view[self.fh.write(view):]
+        return n
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+    def flush(self) -> None:
+        pass  # unbuffered
+
+    def close(self) -> None:
+        self.fh.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.fh.closed
+
+
 def _binary_array(data: pa.Buffer, row_bytes: np.ndarray) -> pa.Array:
     offsets = np.zeros(len(row_bytes) + 1, dtype=np.int64)
     np.cumsum(row_bytes, out=offsets[1:])
@@ -172,7 +205,8 @@ class ShardWriter:
         self._written_back = 0  # bytes of the file whose writeback has been started
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.schema = schema_for(meta)
-        self._sink = pa.OSFile(str(self.tmp), "wb")
+        self._file = _ChecksummedFile(self.tmp)
+        self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_stream(self._sink, self.schema)
         self._rows: list[tuple] = []
         self._pending_bytes = 0
@@ -233,11 +267,11 @@ class ShardWriter:
         try:
             self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         except OSError as e:
-            raise ShardWriteError(f"{self.tmp}: write failed ({_reason(e)}) after {self._sink.tell():,} "
+            raise ShardWriteError(f"{self.tmp}: write failed ({_reason(e)}) after {self._file.tell():,} "
                                   f"bytes of this shard") from e
-        end = self._sink.tell()
+        end = self._file.tell()
         if self.writeback_bytes and end - self._written_back >= self.writeback_bytes:
-            if not _start_writeback(self._sink.fileno(), self._written_back, end - self._written_back):
+            if not _start_writeback(self._file.fileno(), self._written_back, end - self._written_back):
                 self.writeback_bytes = 0  # not on this system or file system: the fsync at close does it all
             self._written_back = end
 
@@ -270,13 +304,12 @@ class ShardWriter:
         self._flush()
         try:
             self._writer.close()
+            os.fsync(self._file.fileno())
             self._sink.close()
-            with open(self.tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
         except OSError as e:
             raise ShardWriteError(f"{self.tmp}: finishing the shard failed ({_reason(e)})") from e
         info = {"file": self.path.name, "rows": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-                "bytes": self.tmp.stat().st_size, "xxh3_128": file_checksum(self.tmp)}
+                "bytes": self.tmp.stat().st_size, "xxh3_128": self._file.xxh3.hexdigest()}
         os.replace(self.tmp, self.path)
         _fsync_dir(self.path.parent)
         return info

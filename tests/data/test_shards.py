@@ -9,7 +9,8 @@ import datasets
 import pytest
 import torch
 
-from data.shards import MANIFEST, ShardDataset, ShardError, ShardMeta, ShardReader, ShardWriter, write_manifest
+from data.shards import (MANIFEST, ShardDataset, ShardError, ShardMeta, ShardReader, ShardWriter, file_checksum,
+                         write_manifest)
 
 H = 16
 LAYERS = [1, 3, 5]
@@ -146,6 +147,31 @@ def test_killed_writer_leaves_no_complete_looking_shard(tmp_path):
         ShardDataset(tmp_path)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a file size limit stands in for a full disk (Linux rlimits)")
+def test_a_failed_write_names_the_shard_and_how_far_it_got(tmp_path):
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from data.shards import ShardMeta, ShardWriteError, ShardWriter
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+        m = ShardMeta(kind="features", aux_layer_ids=[1, 3, 5], hidden_size={H}, dtype="bfloat16")
+        w = ShardWriter({str(tmp_path / 'shard-00000.arrow')!r}, m, batch_bytes=1000)
+        try:
+            for i in range(100):
+                w.write(str(i), [1] * 8, [1] * 8, torch.zeros(8, {3 * H}, dtype=torch.bfloat16),
+                        torch.zeros(8, {H}, dtype=torch.bfloat16))
+        except ShardWriteError as e:
+            print(e)
+            w.abort()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert ".shard-00000.arrow.tmp-" in proc.stdout and "write failed (File too large) after " in proc.stdout, proc.stdout
+    written = int(proc.stdout.split(" after ")[1].split(" bytes")[0].replace(",", ""))
+    assert 18000 < written <= 20000
+    assert list(tmp_path.iterdir()) == []  # aborted: no temporary left, no shard
+
+
 def test_bytes_per_token_for_a_4096_hidden_target(tmp_path):
     m = meta(hidden_size=4096)
     with ShardWriter(tmp_path / "s.arrow", m) as w:
@@ -221,7 +247,8 @@ def test_fp8_aux_states_round_trip_within_e4m3s_precision_at_half_the_bytes(tmp_
 
 
 def test_writer_starts_writeback_of_each_written_range_in_order(tmp_path, monkeypatch):
-    """Rows reach the disk while the shard grows, not all at the fsync on close; the bytes do not change."""
+    """Rows reach the disk while the shard grows, not all at the fsync on close; the bytes do not change, and the
+    checksum hashed as they were written is the file's."""
     import data.shards as shards
     calls = []
 
@@ -239,8 +266,9 @@ def test_writer_starts_writeback_of_each_written_range_in_order(tmp_path, monkey
             for r in range(40):
                 w.write(f"s{r}", list(range(9)), [1] * 9, torch.randn(9, 3 * H, generator=g).bfloat16(),
                         torch.randn(9, H, generator=g).bfloat16())
-            w.close()
+            info = w.close()
         files[writeback] = path.read_bytes()
+        assert info["xxh3_128"] == file_checksum(path) and info["bytes"] == len(files[writeback])  # hashed as written
     assert files[0] == files[4096]
     size, covered = len(files[0]), calls[-1][0] + calls[-1][1]
     assert len(calls) >= 5  # all with writeback 4096: none with 0
