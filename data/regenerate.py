@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .config import EyrieConfig, RegenerateConfig
 from .conversations import Conversation, SkipReport, load_conversations
-from .shards import atomic_write_json
+from .files import atomic_write_json
 
 REGENERATABLE_ROLES = {"system", "user", "assistant"}
 

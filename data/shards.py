@@ -13,12 +13,13 @@ ids (SGLang convention), hidden size, dtype and encodings; new encodings (fp8 au
 are new metadata values and optional columns, not a new layout.
 
 Writers write to a temporary name, fsync and rename, so a killed writer never leaves a shard that looks
-complete; the manifest (also renamed into place) records rows, tokens, bytes and an xxh3-128 checksum.
+complete; the manifest (also renamed into place) records rows, tokens, bytes and an xxh3-128 checksum (hashed
+as the bytes are written). A writer starts the disk write of every `files.WRITEBACK_BYTES` it has written, so
+the fsync at close waits for the last stretch only.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import warnings
@@ -29,9 +30,8 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import torch
-import xxhash
-
 from . import aux_codec
+from .files import ChecksummedFile, atomic_write_json, file_checksum, fsync_dir, os_reason
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,9 +41,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Fields two shards must agree on to be read as one dataset.
 COMPAT_FIELDS = ("schema_version", "kind", "target_id", "target_config_hash", "aux_layer_ids",
                  "hidden_size", "dtype", "aux_encoding", "final_hidden")
-# How much of a shard is written before the writer asks the kernel to start putting it on the disk (see
-# `_start_writeback`); 0 leaves it all to the fsync at close.
-WRITEBACK_BYTES = 256 << 20
 # Tensors are views of read-only memory maps; the trainer only reads them (and copies when it moves them).
 warnings.filterwarnings("ignore", message=".*not writable.*")
 
@@ -86,98 +83,6 @@ def schema_for(meta: ShardMeta) -> pa.Schema:
     return pa.schema(fields, metadata={META_KEY: json.dumps(meta.to_json()).encode()})
 
 
-def file_checksum(path: str | Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _reason(e: OSError) -> str:
-    return os.strerror(e.errno) if e.errno else str(e)  # Arrow's messages wrap the errno in prose
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, f"writing {path} failed: {e.strerror}", str(path)) from e
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _sync_file_range():
-    """Linux's sync_file_range, or None where the C library has none (it is not in Python's `os`)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; do not wait for them
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Start (not wait for) the disk write of a range already written. Without it the kernel holds a shard's
-    pages until the fsync at close (or until dirty memory passes vm.dirty_background_ratio, 13 GB on a
-    128 GiB host), so the disk idles while rows arrive, then the last shard's fsync is a tail nothing
-    overlaps. Returns False where it is not available; the fsync at close stays the durability point."""
-    if _SYNC_FILE_RANGE is None:
-        return False
-    return _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
-
-
-class _ChecksummedFile:
-    """A shard's file, hashed as it is written (Arrow writes through it as a `pa.PythonFile`): the manifest's
-    checksum then needs no second read of the shard, which at close would be work nothing overlaps."""
-
-    def __init__(self, path: Path):
-        self.fh = open(path, "wb", buffering=0)
-        self.xxh3 = xxhash.xxh3_128()
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.xxh3.update(view)
-        n = len(view)
-        while view:  # a raw write may take less than it was given
-            view = view[self.fh.write(view):]
-        return n
-
-    def tell(self) -> int:
-        return self.fh.tell()
-
-    def fileno(self) -> int:
-        return self.fh.fileno()
-
-    def flush(self) -> None:
-        pass  # unbuffered
-
-    def close(self) -> None:
-        self.fh.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.fh.closed
-
-
 def _binary_array(data: pa.Buffer, row_bytes: np.ndarray) -> pa.Array:
     offsets = np.zeros(len(row_bytes) + 1, dtype=np.int64)
     np.cumsum(row_bytes, out=offsets[1:])
@@ -201,11 +106,9 @@ class ShardWriter:
     def __init__(self, path: str | Path, meta: ShardMeta, batch_bytes: int = 64 << 20,
                  writeback_bytes: int | None = None):
         self.path, self.meta, self.batch_bytes = Path(path), meta, batch_bytes
-        self.writeback_bytes = WRITEBACK_BYTES if writeback_bytes is None else writeback_bytes
-        self._written_back = 0  # bytes of the file whose writeback has been started
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.schema = schema_for(meta)
-        self._file = _ChecksummedFile(self.tmp)
+        self._file = ChecksummedFile(self.tmp, writeback_bytes)
         self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_stream(self._sink, self.schema)
         self._rows: list[tuple] = []
@@ -267,13 +170,8 @@ class ShardWriter:
         try:
             self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         except OSError as e:
-            raise ShardWriteError(f"{self.tmp}: write failed ({_reason(e)}) after {self._file.tell():,} "
+            raise ShardWriteError(f"{self.tmp}: write failed ({os_reason(e)}) after {self._file.tell():,} "
                                   f"bytes of this shard") from e
-        end = self._file.tell()
-        if self.writeback_bytes and end - self._written_back >= self.writeback_bytes:
-            if not _start_writeback(self._file.fileno(), self._written_back, end - self._written_back):
-                self.writeback_bytes = 0  # not on this system or file system: the fsync at close does it all
-            self._written_back = end
 
     def write_packed(self, sample_ids: list[str], input_ids: list[np.ndarray], loss_masks: list[np.ndarray],
                      aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
@@ -304,14 +202,14 @@ class ShardWriter:
         self._flush()
         try:
             self._writer.close()
-            os.fsync(self._file.fileno())
+            self._file.fsync()
             self._sink.close()
         except OSError as e:
-            raise ShardWriteError(f"{self.tmp}: finishing the shard failed ({_reason(e)})") from e
+            raise ShardWriteError(f"{self.tmp}: finishing the shard failed ({os_reason(e)})") from e
         info = {"file": self.path.name, "rows": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-                "bytes": self.tmp.stat().st_size, "xxh3_128": self._file.xxh3.hexdigest()}
+                "bytes": self.tmp.stat().st_size, "xxh3_128": self._file.checksum()}
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return info
 
     def abort(self) -> None:

@@ -30,8 +30,8 @@ from data.config import EyrieConfig, write_scalars
 from data.batching import length_grouped_batches
 from data.prepare import samples_dir
 from data import aux_codec
-from data.shards import (ShardDataset, ShardMeta, ShardWriteError, ShardWriter, atomic_write_json, file_checksum,
-                         write_manifest)
+from data.files import atomic_write_json, file_checksum
+from data.shards import ShardDataset, ShardMeta, ShardWriteError, ShardWriter, write_manifest
 from data.target import load_target_info
 
 from .hf import FINAL_HIDDEN, HFBackend

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.shards import atomic_write_json
+from data.files import atomic_write_json
 
 from .demo_target import _task, build_tokenizer
 

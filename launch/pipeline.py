@@ -33,7 +33,8 @@ from urllib.parse import urlparse
 from data.config import ConfigError, EyrieConfig, load_config
 from data.prepare import samples_dir
 from data.regenerate import partial_path, regenerated_path, report_path
-from data.shards import MANIFEST, atomic_write_json, read_manifest
+from data.files import atomic_write_json
+from data.shards import MANIFEST, read_manifest
 from extract.job import features_dir
 
 ROOT = Path(__file__).resolve().parents[1]

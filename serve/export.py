@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from data.shards import atomic_write_json, read_manifest
+from data.files import atomic_write_json
+from data.shards import read_manifest
 from train.mla import is_mla
 
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate

@@ -42,7 +42,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from data.shards import file_checksum
+from data.files import file_checksum
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]

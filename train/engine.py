@@ -22,7 +22,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors.torch import load_file
 
 from data.config import ConfigError, TrainConfig
-from data.shards import atomic_write_json
+from data.files import atomic_write_json
 from data.target import load_target_info
 
 STATE_FILE = "trainer_state.json"

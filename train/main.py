@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from data.config import EyrieConfig, cli_config, tensorboard_dir
 from data.prepare import data_dir
-from data.shards import atomic_write_json
+from data.files import atomic_write_json
 from data.target import load_target_info
 from data.vocab import load_draft_vocab
 from extract.job import features_dir

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from data.config import EyrieConfig
-import data.shards as shards
+import data.files
 from data.shards import ShardMeta, ShardWriter, write_manifest
 from extract.job import _to_host, run
 
@@ -70,9 +70,9 @@ def main() -> None:
     p.add_argument("--aux-encoding", default="raw", choices=["raw", "fp8_e4m3_rowscale"],
                    help="extract.aux_encoding of the job phase")
     p.add_argument("--no-warmup", action="store_true", help="sglang job: skip the warm-up process")
-    p.add_argument("--writeback-mb", default=str(shards.WRITEBACK_BYTES >> 20),
+    p.add_argument("--writeback-mb", default=str(data.files.WRITEBACK_BYTES >> 20),
                    help="job phase: one job per value, in order (e.g. 256,0,256,0): MB a shard writer lets "
-                        "accumulate before it starts the disk write (data.shards.WRITEBACK_BYTES; 0 = at the fsync)")
+                        "accumulate before it starts the disk write (data.files.WRITEBACK_BYTES; 0 = at the fsync)")
     a = p.parse_args()
     if a.backend == "sglang" and "job" in a.phases.split(",") and not a.no_warmup:
         import subprocess
@@ -118,7 +118,7 @@ def main() -> None:
     phases = a.phases.split(",")
     if "job" in phases:
         for i, mb in enumerate(int(x) for x in a.writeback_mb.split(",")):
-            shards.WRITEBACK_BYTES = mb << 20
+            data.files.WRITEBACK_BYTES = mb << 20
             result["writeback_mb"] = mb
             job(cfg, result, flops_per_token, peak, run_dir, warm=i > 0)
     if "forward" in phases:

@@ -9,8 +9,8 @@ import datasets
 import pytest
 import torch
 
-from data.shards import (MANIFEST, ShardDataset, ShardError, ShardMeta, ShardReader, ShardWriter, file_checksum,
-                         write_manifest)
+from data.files import file_checksum
+from data.shards import MANIFEST, ShardDataset, ShardError, ShardMeta, ShardReader, ShardWriter, write_manifest
 
 H = 16
 LAYERS = [1, 3, 5]
@@ -249,15 +249,14 @@ def test_fp8_aux_states_round_trip_within_e4m3s_precision_at_half_the_bytes(tmp_
 def test_writer_starts_writeback_of_each_written_range_in_order(tmp_path, monkeypatch):
     """Rows reach the disk while the shard grows, not all at the fsync on close; the bytes do not change, and the
     checksum hashed as they were written is the file's."""
-    import data.shards as shards
-    calls = []
+    import data.files
+    calls, start_writeback = [], data.files.start_writeback
 
     def recording(fd, offset, nbytes):
-        calls.append((offset, nbytes, shards._start_writeback_real(fd, offset, nbytes)))
+        calls.append((offset, nbytes, start_writeback(fd, offset, nbytes)))
         return calls[-1][2]
 
-    monkeypatch.setattr(shards, "_start_writeback_real", shards._start_writeback, raising=False)
-    monkeypatch.setattr(shards, "_start_writeback", recording)
+    monkeypatch.setattr(data.files, "start_writeback", recording)
     files = {}
     for writeback in (0, 4096):
         g = torch.Generator().manual_seed(0)
