@@ -1,13 +1,16 @@
 """Shard write/read throughput and bytes per token (not collected by pytest).
 
     python tests/benchmarks/bench_shards.py [--hidden 4096] [--tokens 262144] [--dir /tmp/eyrie-bench]
-                                           [--extract-writer-shards 4 --batches-per-shard 8 --repeat 3]
+                                           [--extract-writer-shards 4 --batches-per-shard 8 --repeat 3
+                                           --sealers own,writer --writeback-mb 256,0]
 Reports MB/s for writing (incl. fsync + checksum), cold-ish and warm reads that touch every tensor, and
 bytes/token. Reads are O(1) memory-mapped views, so "read" means summing every value to force the pages in.
 
 --extract-writer-shards N: the extraction job's writing alone (extract/job.py's threads, no forwards): N shards of
-batches of 4 x --seq tokens written with write_packed on the writer thread, each shard sealed (fsync, checksum,
-rename) either on its own thread (the job's way) or on the writer thread (the job before), alternating.
+batches of 4 x --seq tokens written with write_packed on the writer thread, each shard sealed (fsync, rename)
+either on its own thread (the job's way) or on the writer thread (the job before), alternating (--sealers), for
+each --writeback-mb value (data.files.WRITEBACK_BYTES: how much is written before its disk write is started).
+Reports GB/s and the tail: from the last row written to the last shard sealed.
 """
 import argparse
 import os
@@ -19,11 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import data.files
 from data.shards import ShardDataset, ShardMeta, ShardWriter, write_manifest
 from extract.job import AsyncShardWriter
 
 
-def extract_writer_gb_per_s(d: Path, meta: ShardMeta, seq: int, shards: int, batches: int, own_sealer: bool) -> float:
+def extract_writer_gb_per_s(d: Path, meta: ShardMeta, seq: int, shards: int, batches: int,
+                            own_sealer: bool) -> tuple[float, float]:
     rows = 4
     aux, fin = torch.randn(rows * seq, 3 * meta.hidden_size).bfloat16(), torch.randn(rows * seq, meta.hidden_size).bfloat16()
     ids, masks = [np.arange(seq, dtype=np.int32)] * rows, [np.ones(seq, dtype=np.uint8)] * rows
@@ -39,12 +44,14 @@ def extract_writer_gb_per_s(d: Path, meta: ShardMeta, seq: int, shards: int, bat
             io.then(sealer, w.close)
         else:
             io.put(w.close, None)
+    io.flush()  # the rows are written, the last seal is queued
+    rows_done = time.perf_counter()
     io.close()
     sealer.close()
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
     nbytes = sum(f.stat().st_size for f in d.iterdir())
     shutil.rmtree(d)
-    return nbytes / seconds / 1e9
+    return nbytes / (end - t0) / 1e9, end - rows_done
 
 
 def main() -> None:
@@ -56,6 +63,8 @@ def main() -> None:
     p.add_argument("--extract-writer-shards", type=int, default=0)
     p.add_argument("--batches-per-shard", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--sealers", default="own,writer", help="own: a thread of its own (the job's way); writer")
+    p.add_argument("--writeback-mb", default=str(data.files.WRITEBACK_BYTES >> 20))
     a = p.parse_args()
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
@@ -64,10 +73,14 @@ def main() -> None:
     if a.extract_writer_shards:
         extract_writer_gb_per_s(d, meta, a.seq, 1, a.batches_per_shard, True)  # untimed: the first run was 3x slower
         for _ in range(a.repeat):
-            for own_sealer in (True, False):
-                rate = extract_writer_gb_per_s(d, meta, a.seq, a.extract_writer_shards, a.batches_per_shard, own_sealer)
-                print(f"extraction writer, seal on {'its own thread' if own_sealer else 'the writer thread'}: "
-                      f"{rate:.2f} GB/s", flush=True)
+            for mb in (int(x) for x in a.writeback_mb.split(",")):
+                data.files.WRITEBACK_BYTES = mb << 20
+                for sealer in a.sealers.split(","):
+                    rate, tail = extract_writer_gb_per_s(d, meta, a.seq, a.extract_writer_shards, a.batches_per_shard,
+                                                         own_sealer=sealer == "own")
+                    print(f"extraction writer, writeback every {mb} MB, seal on "
+                          f"{'its own thread' if sealer == 'own' else 'the writer thread'}: {rate:.2f} GB/s, "
+                          f"tail {tail:.2f} s", flush=True)
         return
     d.mkdir(parents=True)
     n = a.tokens // a.seq
