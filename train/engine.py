@@ -41,6 +41,9 @@ def _scheduler(o, total_steps: int) -> dict:
     return {"type": "WarmupLR", "params": params}
 
 
+REDUCE_BUCKET_ELEMENTS = 50_000_000
+
+
 def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json: str | None = None) -> dict:
     """The DeepSpeed config. A micro-batch is one token-budget batch, hence train_micro_batch_size_per_gpu 1."""
     if user_json:
@@ -71,7 +74,10 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
                                                   "weight_decay": o.weight_decay, "torch_adam": True,
                                                   "fused": True}},
         "scheduler": _scheduler(o, total_steps),
-        "zero_optimization": {"stage": o.zero_stage},
+        # DeepSpeed allocates its gradient-reduction bucket at full size whatever the model: 5e8 elements (0.93 GiB
+        # in bf16) by default, more than a 0.4 B-parameter drafter's whole gradient and one bucket for all of it
+        # (no reduction overlaps the backward). 5e7: 93 MiB per bucket, several buckets per backward.
+        "zero_optimization": {"stage": o.zero_stage, "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS},
         "bf16": {"enabled": bf16},
         "steps_per_print": 10 ** 9,
     }
@@ -88,8 +94,22 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def param_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """Consecutive parameters in groups no larger than the largest tensor. DeepSpeed's ZeRO-1/2 step flattens a
+    group's gradients and makes an fp32 copy of them one group at a time (bf16 + fp32: 6 bytes per element),
+    so with one group that transient is 6 bytes per drafter parameter on top of the optimizer state (2.4 GiB at
+    llama3-8b, most of the step's peak at T = 2,048), with these groups 6 bytes per element of the largest one."""
+    limit = max(p.numel() for p in params)
+    groups: list[list[torch.nn.Parameter]] = [[]]
+    for p in params:
+        if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:
+            groups.append([])
+        groups[-1].append(p)
+    return [{"params": g} for g in groups]
+
+
 def init_engine(model: torch.nn.Module, ds_config: dict):
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = param_groups([p for p in model.parameters() if p.requires_grad])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
     engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
     return engine

@@ -72,3 +72,20 @@ def test_zero1_with_gradient_accumulation(zero2_run, features_run, tmp_path):
     assert train[-1]["loss"] < train[0]["loss"]
     state = json.loads((run / "train" / "checkpoints" / "step6" / "trainer_state.json").read_text())
     assert state["step"] == 6
+
+
+def test_optimizer_groups_are_no_larger_than_the_largest_tensor():
+    """DeepSpeed's ZeRO-1/2 step copies one group's gradients to fp32 at a time: the groups bound that copy."""
+    import torch
+
+    from train.engine import param_groups
+    # llama3-8b drafter shapes (lm_head, MLP, fc, attention, norms), on the meta device: no memory
+    shapes = [(32000, 4096), (4096, 12288), (6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
+              (4096, 14336), (4096,), (8192,), (4096,)]
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    groups = param_groups(params)
+    largest = 32000 * 4096
+    assert [p for g in groups for p in g["params"]] == params  # all of them, in order
+    assert all(sum(p.numel() for p in g["params"]) <= largest for g in groups)
+    assert len(groups) == 4  # lm_head alone; fc + q/kv/o; gate + up; down + norms
+    assert sum(p.numel() for p in params) > 3 * largest
