@@ -75,8 +75,9 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
                                                   "fused": True}},
         "scheduler": _scheduler(o, total_steps),
         # DeepSpeed allocates its gradient-reduction bucket at full size whatever the model: 5e8 elements (0.93 GiB
-        # in bf16) by default, more than a 0.4 B-parameter drafter's whole gradient and one bucket for all of it
-        # (no reduction overlaps the backward). 5e7: 93 MiB per bucket, several buckets per backward.
+        # in bf16) by default, more than a llama3-8b drafter's whole gradient. 5e7 (93 MiB): larger gradients
+        # bypass it; the step's CPU memory profile peaked lower with it (tests/benchmarks/RESULTS.md) than with
+        # the default or with a bucket the size of the largest tensor.
         "zero_optimization": {"stage": o.zero_stage, "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS},
         "bf16": {"enabled": bf16},
         "steps_per_print": 10 ** 9,
