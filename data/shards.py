@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import torch
+
 from . import aux_codec
 from .files import ChecksummedFile, atomic_write_json, file_checksum, fsync_dir, os_reason
 
