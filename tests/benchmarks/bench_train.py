@@ -184,7 +184,7 @@ class SpecForge:
         return out.loss.item()
 
     def close(self):
-        pass
+        self.model = self.strategy = self.optimizer = None  # let its memory go before the next peer
 
 
 class Timer:
@@ -308,6 +308,11 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
              profile: bool = False, memory_profile: bool = False) -> list[dict]:
     s = SHAPES[shape]
     rows = []
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Memory an earlier peer left allocated (a run of SpecForge first left its 7.6 GiB): subtracted below, so each
+    # row's peak and resident are the peer's own.
+    before = torch.cuda.memory_allocated()
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
         runner = SpecForge(s, ckpt) if peer == "specforge" else Eyrie(s, ckpt or own_ckpt, recompute)
@@ -339,14 +344,15 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
         if memory_profile and T == lengths[0]:
             row["live_at_peak"] = memory_at_peak(lambda: runner.step(x, Timer(sync=False)))
         row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
-                "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
-                "resident_gib": round(resident / 2 ** 30, 2),
+                "peak_gib": round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 2),
+                "resident_gib": round((resident - before) / 2 ** 30, 2),
                 "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
                 "split_ms": {k: round(v * 1e3, 1) for k, v in timer.seconds.items()},
                 # host time close to a phase's time: the GPU waited for launches (CUDA graphs, fewer kernels)
                 "split_host_ms": {k: round(v * 1e3, 1) for k, v in timer.host.items()},
                 "split_total_ms": round(sum(timer.seconds.values()) * 1e3, 1),
-                "loss": round(losses[-1], 3)}
+                "loss": round(losses[-1], 3)} | ({"left_by_earlier_peers_gib": round(before / 2 ** 30, 2)}
+                                                 if before > 2 ** 26 else {})
         rows.append(row)
         print(json.dumps(row), flush=True)
     runner.close()
