@@ -95,12 +95,17 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
+MIN_GROUP_ELEMENTS = 100_000_000
+
+
 def param_groups(params: list[torch.nn.Parameter]) -> list[dict]:
-    """Consecutive parameters in groups no larger than the largest tensor. DeepSpeed's ZeRO-1/2 step flattens a
-    group's gradients and makes an fp32 copy of them one group at a time (bf16 + fp32: 6 bytes per element),
-    so with one group that transient is 6 bytes per drafter parameter on top of the optimizer state (2.4 GiB at
-    llama3-8b, most of the step's peak at T = 2,048), with these groups 6 bytes per element of the largest one."""
-    limit = max(p.numel() for p in params)
+    """Consecutive parameters in groups no larger than the largest tensor or MIN_GROUP_ELEMENTS, whichever is
+    larger. DeepSpeed's ZeRO-1/2 step flattens a group's gradients and makes an fp32 copy of them one group at a
+    time (bf16 + fp32: 6 bytes per element), so with one group that transient is 6 bytes per drafter parameter on
+    top of the optimizer state (2.4 GiB at llama3-8b), with these groups 6 bytes per element of the largest one.
+    The floor keeps small drafters in one group: each group costs the step its own collectives and launches (the
+    tests' tiny drafters, split by their largest tensor, trained up to 2x slower on two CPU ranks)."""
+    limit = max(MIN_GROUP_ELEMENTS, max(p.numel() for p in params))
     groups: list[list[torch.nn.Parameter]] = [[]]
     for p in params:
         if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:

@@ -89,3 +89,5 @@ def test_optimizer_groups_are_no_larger_than_the_largest_tensor():
     assert all(sum(p.numel() for p in g["params"]) <= largest for g in groups)
     assert len(groups) == 4  # lm_head alone; fc + q/kv/o; gate + up; down + norms
     assert sum(p.numel() for p in params) > 3 * largest
+    small = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(256, 64), (64, 192), (256, 64), (64,)]]
+    assert param_groups(small) == [{"params": small}]  # a small drafter: one group (each costs collectives)
