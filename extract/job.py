@@ -303,13 +303,14 @@ def run(cfg: EyrieConfig) -> dict | None:
         bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=group,
                    disable=not writes)
         io = AsyncShardWriter()
-        # A shard's seal (fsync: the disk's speed; checksum: reads it back) on a thread of its own, while the next
+        # A shard's seal (its fsync: the disk's speed) on a thread of its own, while the next
         # shard's rows go into the page cache: one thread doing both wrote 1.5x slower (tests/benchmarks/RESULTS.md).
         sealer = AsyncShardWriter(depth=1)
         unsealed: dict[int, ShardWriter] = {}
 
         def seal(c: int, writer: ShardWriter, skipped: Counter) -> None:
-            """On the sealing thread, after the shard's rows: fsync, checksum, rename, then the shard's record."""
+            """On the sealing thread, after the shard's rows: fsync, rename, then the shard's record (the checksum was
+            hashed as the rows were written)."""
             shard = writer.close()
             del unsealed[c]
             atomic_write_json(_record_path(out, c), {"shard": shard, "skipped": dict(skipped), "rank": rank,

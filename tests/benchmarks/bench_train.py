@@ -308,10 +308,8 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
              profile: bool = False, memory_profile: bool = False) -> list[dict]:
     s = SHAPES[shape]
     rows = []
-    gc.collect()
-    torch.cuda.empty_cache()
-    # Memory an earlier peer left allocated (a run of SpecForge first left its 7.6 GiB): subtracted below, so each
-    # row's peak and resident are the peer's own.
+    # Memory an earlier peer left allocated after its own clean-up below (a run of SpecForge first left its 7.6 GiB):
+    # subtracted below, so each row's peak and resident are the peer's own.
     before = torch.cuda.memory_allocated()
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
