@@ -15,6 +15,8 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .layout import RunLayout
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -167,24 +169,15 @@ class EyrieConfig(Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    @property
+    def layout(self) -> RunLayout:
+        """Every path under run_dir (data/layout.py)."""
+        return RunLayout(self.run_dir)
+
     def section_hash(self, *names: str) -> str:
         """Stable hash of some sections, so a stage can tell whether its inputs changed."""
         blob = json.dumps({n: getattr(self, n).model_dump(mode="json") for n in names}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def tensorboard_dir(run_dir: str | Path, stage: str) -> Path:
-    """One TensorBoard log dir per run, a subdirectory per stage: `tensorboard --logdir RUN_DIR/tensorboard`."""
-    return Path(run_dir) / "tensorboard" / stage
-
-
-def write_scalars(run_dir: str | Path, stage: str, by_step: dict[int, dict[str, float]]) -> None:
-    """A stage's summary numbers (extraction throughput, offline acceptance) beside the trainer's curves."""
-    from torch.utils.tensorboard import SummaryWriter
-    with SummaryWriter(str(tensorboard_dir(run_dir, stage))) as writer:
-        for step, scalars in by_step.items():
-            for name, value in scalars.items():
-                writer.add_scalar(f"{stage}/{name}", value, step)
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,6 @@ Writes RUN_DIR/data/: `samples/` (token shards + manifest with skip counts and t
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -18,21 +17,12 @@ from .target import load_target_info
 from .vocab import TokenCounter, save_draft_vocab
 
 
-def data_dir(cfg: EyrieConfig) -> Path:
-    return Path(cfg.run_dir) / "data"
-
-
-def samples_dir(cfg: EyrieConfig) -> Path:
-    """Where the prepared token shards live (read by extract/)."""
-    return data_dir(cfg) / "samples"
-
-
 def prepare(cfg: EyrieConfig) -> dict:
     from transformers import AutoTokenizer
 
     start = time.time()
-    out = data_dir(cfg)
-    samples = samples_dir(cfg)
+    layout = cfg.layout
+    samples = layout.samples
     samples.mkdir(parents=True, exist_ok=True)
     info = load_target_info(cfg.target.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
@@ -40,10 +30,9 @@ def prepare(cfg: EyrieConfig) -> dict:
 
     regenerated = None
     if cfg.data.regenerate.enabled:  # resumes: after the regenerate stage there is nothing left to do
-        from .regenerate import regenerated_path
         from .regenerate import run as regenerate
         regenerated = regenerate(cfg)
-    inputs = [str(regenerated_path(cfg))] if regenerated else cfg.data.inputs
+    inputs = [str(layout.regenerated)] if regenerated else cfg.data.inputs
     report = SkipReport()
     counter = TokenCounter(info.vocab_size)
     meta = ShardMeta(kind="tokens", target_id=cfg.target.path, target_config_hash=info.config_hash)
@@ -71,7 +60,7 @@ def prepare(cfg: EyrieConfig) -> dict:
         shards.append(writer.close())
     if not shards:
         raise RuntimeError(f"no usable samples in {inputs}: {report.summary()}")
-    vocab = save_draft_vocab(out / "draft_vocab.safetensors", counter.counts, cfg.data.draft_vocab_size)
+    vocab = save_draft_vocab(layout.draft_vocab, counter.counts, cfg.data.draft_vocab_size)
     manifest = write_manifest(samples, meta, shards, report=report.to_json(), regenerate=regenerated, vocab=vocab,
                               config=cfg.model_dump(mode="json"),
                               seconds=round(time.time() - start, 2))

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .config import EyrieConfig, RegenerateConfig
 from .conversations import Conversation, SkipReport, load_conversations
 from .files import atomic_write_json
+from .layout import partial_of, report_of
 
 REGENERATABLE_ROLES = {"system", "user", "assistant"}
 
@@ -154,14 +155,10 @@ def unsupported_roles(conv: Conversation) -> set[str]:
     return {m["role"] for m in conv.messages} - REGENERATABLE_ROLES
 
 
-def partial_path(out_path: Path) -> Path:
-    return out_path.with_name(out_path.name + ".partial")
-
-
 def finished_rows(out_path: Path) -> dict[str, dict]:
     """What earlier runs regenerated, by conversation id: the finished file and a killed run's partial one."""
     done: dict[str, dict] = {}
-    for path in (out_path, partial_path(out_path)):
+    for path in (out_path, partial_of(out_path)):
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -176,7 +173,7 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
                cfg: RegenerateConfig, concurrency: int | None = None) -> dict:
     """Regenerate into `out_path` (JSONL), resuming from what it already holds; returns the report."""
     out_path = Path(out_path)
-    partial = partial_path(out_path)
+    partial = partial_of(out_path)
     done = finished_rows(out_path)
     report = {"input": len(conversations), "succeeded": 0, "resumed": 0, "errors": 0, "skipped": 0,
               "truncated_replies": 0, "error_examples": [], "skipped_reasons": {}}
@@ -231,23 +228,13 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
     tmp.replace(out_path)
     partial.unlink(missing_ok=True)
     assert report["succeeded"] + report["errors"] + report["skipped"] == report["input"]
-    atomic_write_json(report_path(out_path), report)
+    atomic_write_json(report_of(out_path), report)
     return report
-
-
-def report_path(out_path: str | Path) -> Path:
-    """The report written beside a finished regeneration (the stage's completion marker)."""
-    return Path(out_path).with_name(Path(out_path).name + ".report.json")
-
-
-def regenerated_path(cfg: EyrieConfig) -> Path:
-    from .prepare import data_dir
-    return data_dir(cfg) / "regenerated.jsonl"
 
 
 def pending(cfg: EyrieConfig) -> int:
     """How many conversations the regenerate stage still has to answer; 0 needs no model and no server."""
-    done = finished_rows(regenerated_path(cfg))
+    done = finished_rows(cfg.layout.regenerated)
     convs = load_conversations(cfg.data.inputs, SkipReport(), cfg.data.skip_malformed)
     return sum(c.id not in done and not unsupported_roles(c) for c in convs)
 
@@ -260,7 +247,7 @@ def run(cfg: EyrieConfig) -> dict:
     rc = cfg.data.regenerate
     generate = OpenAIChatGenerator(rc) if rc.backend == "openai" else \
         LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code)
-    out = regenerated_path(cfg)
+    out = cfg.layout.regenerated
     out.parent.mkdir(parents=True, exist_ok=True)
     result = regenerate(convs, generate, out, rc)
     print(f"regenerate: source {source.summary()}")

@@ -26,21 +26,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data.config import EyrieConfig, write_scalars
+from data.config import EyrieConfig
 from data.batching import length_grouped_batches
-from data.prepare import samples_dir
 from data import aux_codec
 from data.files import atomic_write_json, file_checksum
+from data.layout import write_scalars
 from data.shards import ShardDataset, ShardMeta, ShardWriteError, ShardWriter, write_manifest
 from data.target import load_target_info
 
 from .hf import FINAL_HIDDEN, HFBackend
 from .sglang import MAX_FORWARD_TOKENS, SGLangBackend
 from .sglang import available as sglang_available
-
-
-def features_dir(cfg: EyrieConfig) -> Path:
-    return Path(cfg.run_dir) / "features"
 
 
 def _record_path(out: Path, chunk: int) -> Path:
@@ -251,11 +247,11 @@ def run(cfg: EyrieConfig) -> dict | None:
     ec = cfg.extract
     device = resolve_device(cfg, local_rank)
     backend_name, dtype_name = resolve_backend(cfg, device)
-    samples = ShardDataset(samples_dir(cfg))
+    samples = ShardDataset(cfg.layout.samples)
     info = load_target_info(cfg.target.path)
     prepared_for = samples.meta.get("target_config_hash")
     if prepared_for and prepared_for != info.config_hash:  # tokenized with another target's tokenizer, probably
-        raise ValueError(f"{samples_dir(cfg)}: the samples were prepared for target {samples.meta.get('target_id')} "
+        raise ValueError(f"{cfg.layout.samples}: the samples were prepared for target {samples.meta.get('target_id')} "
                          f"(config hash {prepared_for}), not {cfg.target.path} ({info.config_hash}): run the data "
                          "stage again with this target")
     layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
@@ -265,7 +261,7 @@ def run(cfg: EyrieConfig) -> dict | None:
     # What the shards' content depends on; a completed shard from another config is extracted again.
     config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}" + \
         ("" if ec.aux_encoding == "raw" else f"-{ec.aux_encoding}")
-    out = features_dir(cfg)
+    out = cfg.layout.features
     out.mkdir(parents=True, exist_ok=True)
 
     S = ec.samples_per_shard

@@ -31,11 +31,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from data.config import ConfigError, EyrieConfig, load_config
-from data.prepare import samples_dir
-from data.regenerate import partial_path, regenerated_path, report_path
 from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
-from extract.job import features_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, top-k 1, 4 draft tokens
@@ -43,10 +40,10 @@ DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, 
 
 def outputs(cfg: EyrieConfig) -> dict[str, Path]:
     """The file whose presence says a stage finished."""
-    run = Path(cfg.run_dir)
-    return {"regenerate": report_path(regenerated_path(cfg)), "data": samples_dir(cfg) / MANIFEST, "extract": features_dir(cfg) / MANIFEST,
-            "train": run / "train" / "summary.json", "export": run / "drafter-untrained" / "config.json",
-            "evaluate": run / "evaluate" / "evaluate.json", "smoke": run / "smoke" / "report.json"}
+    run = cfg.layout
+    return {"regenerate": run.regenerated_report, "data": run.samples / MANIFEST, "extract": run.features / MANIFEST,
+            "train": run.train_summary, "export": run.untrained_drafter / "config.json",
+            "evaluate": run.evaluate_report, "smoke": run.smoke_report}
 
 
 STAGES = ("regenerate", "data", "extract", "train", "export", "evaluate", "smoke")
@@ -95,7 +92,7 @@ def fingerprints(cfg: EyrieConfig) -> dict[str, str]:
 
 
 def _record(cfg: EyrieConfig, stage: str) -> Path:
-    return Path(cfg.run_dir) / "pipeline" / f"{stage}.json"
+    return cfg.layout.stage_record(stage)
 
 
 def stage_done(cfg: EyrieConfig, stage: str, prints: dict[str, str]) -> bool:
@@ -108,9 +105,9 @@ def resumable_work(cfg: EyrieConfig) -> dict[str, list[Path]]:
     """What a stage resumes from when it finds it (answers, shards, checkpoints). The stages know their own
     config but not the target's weights, so the pipeline, whose fingerprints do, moves it aside when it was
     made for other inputs: a retrained target at the same path must not resume from the old one's work."""
-    regenerated = regenerated_path(cfg)
-    return {"regenerate": [regenerated, partial_path(regenerated), report_path(regenerated)],
-            "extract": [features_dir(cfg)], "train": [Path(cfg.run_dir) / "train"]}
+    run = cfg.layout
+    return {"regenerate": [run.regenerated, run.regenerated_partial, run.regenerated_report],
+            "extract": [run.features], "train": [run.train]}
 
 
 def made_for(cfg: EyrieConfig, stage: str) -> str | None:
@@ -150,7 +147,7 @@ def free_port() -> int:
 
 def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[list[str]]:
     """The commands a stage runs, in order (what a user would type to run it by hand)."""
-    run, launch = Path(cfg.run_dir), cfg.launch
+    run, launch = cfg.layout, cfg.launch
     if stage == "extract":
         if launch.nnodes == 1:
             rendezvous = ["--standalone"]
@@ -174,19 +171,19 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                  "--master_port", str(launch.master_port or free_port()), str(ROOT / "train" / "main.py"),
                  "--config", config, *overrides]]
     if stage == "export":
-        return [[sys.executable, "-m", "serve.export", "--checkpoint", str(run), "--tag", "best",
-                 "--out", str(run / "drafter")],
-                [sys.executable, "-m", "serve.export", "--untrained-like", str(run / "drafter"),
-                 "--seed", str(cfg.seed), "--out", str(run / "drafter-untrained")]]
+        return [[sys.executable, "-m", "serve.export", "--checkpoint", str(run.root), "--tag", "best",
+                 "--out", str(run.drafter)],
+                [sys.executable, "-m", "serve.export", "--untrained-like", str(run.drafter),
+                 "--seed", str(cfg.seed), "--out", str(run.untrained_drafter)]]
     if stage == "evaluate":
-        return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run / "drafter"),
-                 "--drafter", str(run / "drafter-untrained"), "--run", str(run), "--steps", str(cfg.train.ttt_steps),
+        return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run.drafter),
+                 "--drafter", str(run.untrained_drafter), "--run", str(run.root), "--steps", str(cfg.train.ttt_steps),
                  "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
     if stage == "smoke":
         sv = cfg.serve
         steps = ",".join(map(str, [DECODE_STEPS, *sv.extra_steps]))
-        return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run / "drafter"),
-                 "--run", str(run), "--out", str(run / "smoke"), "--tp", str(sv.tp), "--steps", steps,
+        return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run.drafter),
+                 "--run", str(run.root), "--out", str(run.smoke), "--tp", str(sv.tp), "--steps", steps,
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
                  *[f"--server-arg={a}" for a in sv.server_args],
                  *(["--deterministic-parity"] if sv.deterministic_parity else [])]]
@@ -224,7 +221,7 @@ def served_target(cfg: EyrieConfig):
         yield
         return
     from serve.smoke import Server
-    log = Path(cfg.run_dir) / "pipeline" / "regenerate-server.log"
+    log = cfg.layout.pipeline / "regenerate-server.log"
     server = Server(regenerate_server_args(cfg), url.port, log, cfg.serve.timeout_s)
     print(f"[pipeline] regenerate: {shlex.join(server.cmd)} (log {log})", flush=True)
     try:
@@ -236,21 +233,21 @@ def served_target(cfg: EyrieConfig):
 
 def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     """report.json: the acceptance numbers on top, then what each finished stage recorded."""
-    run = Path(cfg.run_dir)
+    run = cfg.layout
     if stage_done(cfg, "data", prints):
-        manifest = read_manifest(samples_dir(cfg))
+        manifest = read_manifest(run.samples)
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
                    "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
     if stage_done(cfg, "extract", prints):
-        features = read_manifest(features_dir(cfg))
-        report["features"] = {"dir": str(features_dir(cfg)), **features["totals"], "skipped": features["skipped"],
+        features = read_manifest(run.features)
+        report["features"] = {"dir": str(run.features), **features["totals"], "skipped": features["skipped"],
                               "tokens_per_s_by_rank": [r["tokens_per_s"] for r in features["ranks"]]}
     if stage_done(cfg, "train", prints):
         trained = json.loads(outputs(cfg)["train"].read_text())
         report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
     if stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
-        trained, untrained = str(run / "drafter"), str(run / "drafter-untrained")
+        trained, untrained = str(run.drafter), str(run.untrained_drafter)
         decoded, offline = ev["decode"], ev["drafters"][trained]
         report |= {
             "drafter_dir": trained,
@@ -299,9 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
         commands = {s: stage_commands(cfg, s, args.config, overrides) for s in stages}
     except ConfigError as e:
         p.exit(2, f"error: {e}\n")
-    run_dir = Path(cfg.run_dir)
-    (run_dir / "pipeline").mkdir(parents=True, exist_ok=True)
-    report_path = run_dir / "report.json"
+    cfg.layout.pipeline.mkdir(parents=True, exist_ok=True)
+    report_path = cfg.layout.report
     prints = fingerprints(cfg)
     for stage in stages:
         if not commands[stage]:

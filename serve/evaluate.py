@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from data.batching import length_grouped_batches
-from data.config import write_scalars
+from data.layout import RunLayout, write_scalars
 from data.shards import read_manifest
 from data.target import load_target_info
 from train.drafter import Eagle3Drafter
@@ -97,13 +97,12 @@ def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int
 def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,
              draft_cost: float = 0.05, max_batch_tokens: int = 8192, eval_fraction: float | None = None,
              prompts: int = 16, max_new: int = 64) -> dict:
-    run_dir = Path(run_dir)
-    features = read_manifest(run_dir / "features")
-    config = json.loads((run_dir / "train" / "summary.json").read_text())["config"] \
-        if (run_dir / "train" / "summary.json").exists() else None
+    layout = RunLayout(run_dir)
+    features = read_manifest(layout.features)
+    config = json.loads(layout.train_summary.read_text())["config"] if layout.train_summary.exists() else None
     target = features["meta"]["target_id"]
     fraction = eval_fraction if eval_fraction is not None else (config["train"]["eval_fraction"] if config else 0.05)
-    data = FeatureData(run_dir / "features", fraction, max_batch_tokens, seed=0, rank=0, world=1)
+    data = FeatureData(layout.features, fraction, max_batch_tokens, seed=0, rank=0, world=1)
     picked = data.eval_idx if split == "eval" else np.arange(len(data.ds))
     row_of = {data.sample_ids[i]: int(i) for i in picked}
     prompt_rows = [row_of[c] for c, _ in held_out_conversations(run_dir, prompts) if c in row_of] if config else []
@@ -111,7 +110,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = load_target_info(target)
-    report = {"features": str(run_dir / "features"), "target": target, "split": split, "samples": int(len(picked)), "steps": steps,
+    report = {"features": str(layout.features), "target": target, "split": split, "samples": int(len(picked)), "steps": steps,
               "draft_cost": draft_cost, "formulas": {
                   "alpha_j": "P(draft j accepted | drafts < j accepted)",
                   "accept_length(k)": "1 + sum_{j<k} P(drafts 0..j accepted) = tokens per target verify step",
@@ -124,7 +123,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
         model = load_drafter(path, target, device, dtype)
         ids = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
         if list(ids) != list(features["meta"]["aux_layer_ids"]):
-            raise DrafterDirError(f"{path}: reads layers {ids}, but {run_dir / 'features'} holds layers "
+            raise DrafterDirError(f"{path}: reads layers {ids}, but {layout.features} holds layers "
                                   f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
         teacher = Teacher.from_target(target, info.text_config, features["meta"]["final_hidden"], model.t2d, device,
                                       dtype)
@@ -141,7 +140,7 @@ def held_out_conversations(run_dir: str | Path, n: int) -> list[tuple[str, list[
     from train.loader import held_out
 
     from .decode import first_turn
-    config = json.loads((Path(run_dir) / "train" / "summary.json").read_text())["config"]
+    config = json.loads(RunLayout(run_dir).train_summary.read_text())["config"]
     out = []
     for conv in load_conversations(config["data"]["inputs"], SkipReport(), skip_malformed=True):
         if len(out) == n:
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=3)
     a = p.parse_args(argv)
     report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost, prompts=a.decode or 16)
-    out = Path(a.out or Path(a.run) / "evaluate")
+    out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)
     if a.decode:
         from .decode import run as decode

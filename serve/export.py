@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from data.files import atomic_write_json
+from data.layout import RunLayout
 from data.shards import read_manifest
 from train.mla import is_mla
 
@@ -90,17 +91,17 @@ Serve: `python -m sglang.launch_server --model-path TARGET --speculative-algorit
 
 
 def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bool = True) -> dict:
-    run_dir, out = Path(run_dir), Path(out)
-    checkpoints = run_dir / "train" / "checkpoints"
+    layout, out = RunLayout(run_dir), Path(out)
+    checkpoints = layout.checkpoints
     if not (checkpoints / "latest").exists():
         raise DrafterDirError(f"{checkpoints}: no checkpoint (train first: deepspeed train/main.py ...)")
     tag = resolve_tag(checkpoints, tag)
-    config = LlamaConfig(**json.loads((run_dir / "train" / "drafter_config.json").read_text()))
+    config = LlamaConfig(**json.loads(layout.drafter_config.read_text()))
     weights = consolidate(checkpoints, tag)
     tensors = {k: v for k, v in weights.items() if k in expected_shapes(config)}
-    features = read_manifest(run_dir / "features")
+    features = read_manifest(layout.features)
     validate(config, tensors, str(checkpoints / tag), layer_ids=features["meta"]["aux_layer_ids"])
-    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    summary = json.loads(layout.train_summary.read_text())
     write_drafter_dir(out, config, tensors, model_card(config, summary, tag, features))
     report = {"drafter": str(out), "tag": tag, "tensors": len(tensors)}
     if check_with_sglang:

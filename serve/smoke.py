@@ -43,6 +43,7 @@ import requests
 from tqdm import tqdm
 
 from data.files import file_checksum
+from data.layout import RunLayout
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def reference_decoding(run: str, drafter: str, steps: int) -> dict:
     """The run's serve.evaluate report, which must hold a reference-decoder run of this drafter and chain."""
-    report = json.loads((Path(run) / "evaluate" / "evaluate.json").read_text())
+    report = json.loads(RunLayout(run).evaluate_report.read_text())
     if report.get("decode", {}).get(drafter, {}).get("steps") != steps:
         raise SystemExit(f"{run}/evaluate/evaluate.json has no reference-decoder run of {drafter} with {steps} steps")
     return report

@@ -20,22 +20,16 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from data.config import EyrieConfig, cli_config, tensorboard_dir
-from data.prepare import data_dir
+from data.config import EyrieConfig, cli_config
 from data.files import atomic_write_json
 from data.target import load_target_info
 from data.vocab import load_draft_vocab
-from extract.job import features_dir
 from train.drafter import Eagle3Drafter, drafter_config
 from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start
 from train.loader import FeatureData
 from train.metrics import Logger, TTTStats, score
 from train.teacher import Teacher, load_target_tensors
 from train.ttt import ttt_unroll
-
-
-def train_dir(cfg: EyrieConfig) -> Path:
-    return Path(cfg.run_dir) / "train"
 
 
 def resume_key(cfg: EyrieConfig) -> dict:
@@ -71,12 +65,12 @@ def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> 
     target = load_target_info(cfg.target.path)
     meta = data.meta
     if meta["target_config_hash"] != target.config_hash:
-        raise ValueError(f"{features_dir(cfg)} was extracted from a target whose config differs from "
+        raise ValueError(f"{cfg.layout.features} was extracted from a target whose config differs from "
                          f"{cfg.target.path} ({meta['target_config_hash']} vs {target.config_hash})")
     ids = meta["aux_layer_ids"]  # the shards' layer ids are the truth; a configured list must agree
     if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != ids:
         raise ValueError(f"target.aux_layer_ids {cfg.target.aux_layer_ids} but the shards hold layers {ids}")
-    d2t, t2d = load_draft_vocab(data_dir(cfg) / "draft_vocab.safetensors")
+    d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
     model = Eagle3Drafter(drafter_config(target, cfg.train.drafter, len(d2t), ids), d2t, t2d)
     embed = load_target_tensors(cfg.target.path, ["embed"]).get("embed")
     if embed is None:
@@ -114,10 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    out = train_dir(cfg)
+    layout = cfg.layout
     tc = cfg.train
 
-    data = FeatureData(features_dir(cfg), tc.eval_fraction, tc.max_batch_tokens, cfg.seed, rank, world)
+    data = FeatureData(layout.features, tc.eval_fraction, tc.max_batch_tokens, cfg.seed, rank, world)
     model, teacher = build_drafter(cfg, data, device)
 
     bf16 = teacher.lm_head.dtype == torch.bfloat16
@@ -126,18 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     total = tc.max_steps or steps_per_epoch * tc.epochs
     engine = init_engine(model, deepspeed_config(tc, total, bf16, args.deepspeed_config))
     dtype = torch.bfloat16 if bf16 else torch.float32
-    checkpoints = Checkpoints(out / "checkpoints", tc.keep_last)
+    checkpoints = Checkpoints(layout.checkpoints, tc.keep_last)
     state = checkpoints.resume(engine) or {"step": 0, "epoch": 0, "micro": 0, "tokens": 0,
                                             "resume_key": resume_key(cfg)}
     if state["resume_key"] != resume_key(cfg):
         changed = sorted(k for k in state["resume_key"] if state["resume_key"][k] != resume_key(cfg).get(k))
-        raise SystemExit(f"{out / 'checkpoints'} was trained with other settings ({', '.join(changed)}); "
+        raise SystemExit(f"{layout.checkpoints} was trained with other settings ({', '.join(changed)}); "
                          "use another run_dir or remove it")
     best = (checkpoints.best() or {}).get("accept_length", 0.0)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "drafter_config.json", model.config.to_dict())
-    log = Logger(out, tensorboard_dir(cfg.run_dir, "train"), total, state["step"], enabled=rank == 0)
+        layout.train.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(layout.drafter_config, model.config.to_dict())
+    log = Logger(layout.train, layout.tensorboard("train"), total, state["step"], enabled=rank == 0)
     log.message(f"[train] {len(data.train_idx)} train / {len(data.eval_idx)} eval samples, {world} ranks, "
                 f"{steps_per_epoch} steps per epoch, {total} steps, padding "
                 f"{data.padding_fraction(data.epoch_plan(0)):.1%}" + (f", resumed at step {state['step']}"
@@ -195,9 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     stream.close()
     log.close()
     if rank == 0 and not stopped:
-        atomic_write_json(out / "summary.json", {
+        atomic_write_json(layout.train_summary, {
             "steps": step, "tokens": state["tokens"], "world_size": world,
-            "latest": (out / "checkpoints" / "latest").read_text().strip(), "best": checkpoints.best(),
+            "latest": (layout.checkpoints / "latest").read_text().strip(), "best": checkpoints.best(),
             "eval": eval_metrics, "aux_layer_ids": data.meta["aux_layer_ids"],
             "config": cfg.model_dump(mode="json")})
     dist.barrier()

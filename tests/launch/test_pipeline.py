@@ -61,13 +61,12 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
 def test_work_made_for_other_inputs_is_set_aside_and_a_killed_run_of_the_same_inputs_resumes(tmp_path):
     """The regenerate stage resumes from the answers it finds; after the target changed (a retrained checkpoint
     at the same path, same config) they are the old target's and must not be reused."""
-    from data.regenerate import partial_path, regenerated_path
     from launch.pipeline import set_aside_work_of_other_inputs
     cfg = config_with(run_dir=str(tmp_path / "run"))
-    answers = regenerated_path(cfg)
+    answers = cfg.layout.regenerated
     answers.parent.mkdir(parents=True)
     answers.write_text("old target\n")
-    partial_path(answers).write_text("old target, unfinished\n")
+    cfg.layout.regenerated_partial.write_text("old target, unfinished\n")
     assert set_aside_work_of_other_inputs(cfg, "regenerate", "first") == []  # no record: a fresh run
     assert set_aside_work_of_other_inputs(cfg, "regenerate", "first") == []  # killed, same inputs: resume
     assert answers.exists()
@@ -168,7 +167,7 @@ def test_smoke_stage_command_serves_the_run_drafter_with_the_decoders_chain():
 def test_no_target_server_starts_when_every_prompt_is_already_answered(tmp_path, capsys):
     """A regenerate stage killed after its last answer (the partial file complete, no record) reruns without
     the 1-2 minute SGLang start."""
-    from data.regenerate import pending, regenerated_path
+    from data.regenerate import pending
     from launch.pipeline import served_target
     rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
             for i in range(3)]
@@ -177,7 +176,7 @@ def test_no_target_server_starts_when_every_prompt_is_already_answered(tmp_path,
     cfg = config_with(run_dir=str(tmp_path / "run"),
                       data={"inputs": [str(convs)], "regenerate": {"enabled": True, "launch_server": True}})
     assert pending(cfg) == 3
-    partial = regenerated_path(cfg).with_name("regenerated.jsonl.partial")
+    partial = cfg.layout.regenerated_partial
     partial.parent.mkdir(parents=True)
     partial.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]) + "\n" + '{"id": "c2", "mess')  # cut by a kill
     assert pending(cfg) == 1

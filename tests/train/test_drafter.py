@@ -12,10 +12,8 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from data.config import DrafterConfig, load_config
-from data.prepare import data_dir
 from data.target import load_target_info
 from data.vocab import load_draft_vocab
-from extract.job import features_dir
 from train import ttt
 from train.drafter import Eagle3Drafter, drafter_config
 from train.loader import FeatureData, held_out
@@ -72,7 +70,7 @@ def reference_unroll(w: dict, cfg, input_ids: torch.Tensor, aux: torch.Tensor, s
 @pytest.fixture(scope="module")
 def drafter(features_run):
     cfg = load_config(features_run[0])
-    d2t, t2d = load_draft_vocab(data_dir(cfg) / "draft_vocab.safetensors")
+    d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
     torch.manual_seed(0)
     config = drafter_config(load_target_info(cfg.target.path), DrafterConfig(), len(d2t), [0, 1, 2])
     model = Eagle3Drafter(config, d2t, t2d)
@@ -251,11 +249,11 @@ def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
 
 def test_loader_groups_lengths_resumes_and_splits_ranks(features_run):
     cfg = load_config(features_run[0])
-    one = FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=0, world=1)
+    one = FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=0, world=1)
     assert one.padding_fraction(one.epoch_plan(0)) < 0.10
-    assert one.epoch_plan(1) == FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=0, world=1).epoch_plan(1)
+    assert one.epoch_plan(1) == FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=0, world=1).epoch_plan(1)
     assert one.epoch_plan(0) != one.epoch_plan(1)
-    ranks = [FeatureData(features_dir(cfg), 0.1, 1024, seed=0, rank=r, world=2) for r in range(2)]
+    ranks = [FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=r, world=2) for r in range(2)]
     seen = [i for r in ranks for b in r.epoch_plan(0) for i in b]
     assert len(seen) == len(set(seen)) and len(ranks[0].epoch_plan(0)) == len(ranks[1].epoch_plan(0))
     assert not set(seen) & set(one.eval_idx.tolist())
@@ -275,7 +273,7 @@ def test_overfits_one_batch(drafter, features_run):
     """On one small batch the drafter learns the target's argmax: > 95% step-0 accuracy on the positions it
     trains on (target argmax in the draft vocab; elsewhere no draft can match)."""
     cfg = load_config(features_run[0])
-    data = FeatureData(features_dir(cfg), 0.1, 512, seed=0, rank=0, world=1)
+    data = FeatureData(cfg.layout.features, 0.1, 512, seed=0, rank=0, world=1)
     b = data.collate(data.epoch_plan(0)[0][:8])
     info = load_target_info(cfg.target.path)
     teacher = Teacher.from_target(cfg.target.path, info.text_config, "post_norm", drafter.t2d, torch.device("cpu"),

@@ -1,0 +1,90 @@
+"""The package structure the design promises: data flows one way (data → extract → train → serve → launch), no
+module imports a later stage, and there are no import cycles between modules. Read from the source (every
+import statement, also those inside functions), so nothing is imported to check it."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("data", "extract", "train", "serve", "launch")  # each may import only itself and earlier ones
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project modules a file imports (resolved to modules, not names inside them)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return {m for m in found if m.split(".")[0] in STAGES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for stage in STAGES for p in (ROOT / stage).rglob("*.py")}
+    return {name: {m for m in project_imports(path) if m in files and m != name} for name, path in files.items()}
+
+
+def test_no_stage_imports_a_later_stage():
+    order = {s: i for i, s in enumerate(STAGES)}
+    wrong = sorted(f"{a} imports {b}" for a, deps in import_graph().items() for b in deps
+                   if order[b.split(".")[0]] > order[a.split(".")[0]])
+    assert wrong == []
+
+
+def test_no_import_cycles():
+    graph, cycles = import_graph(), []
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(" → ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_the_checker_sees_a_later_stage_and_a_cycle(tmp_path, monkeypatch):
+    """The checks above can fail: a planted backward import and a planted cycle are found."""
+    for stage in STAGES:
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "__init__.py").write_text("")
+    (tmp_path / "data" / "a.py").write_text("from serve.b import x\nfrom .c import y\n")
+    (tmp_path / "serve" / "b.py").write_text("x = 1\n")
+    (tmp_path / "data" / "c.py").write_text("def f():\n    from data import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph()
+    assert graph["data.a"] == {"serve.b", "data.c"}
+    assert graph["data.c"] == {"data", "data.a"}
+    try:
+        test_no_stage_imports_a_later_stage()
+    except AssertionError as e:
+        assert "data.a imports serve.b" in str(e)
+    else:
+        raise AssertionError("a backward import went unseen")
+    try:
+        test_no_import_cycles()
+    except AssertionError as e:
+        assert "data.a → data.c → data.a" in str(e)
+    else:
+        raise AssertionError("a cycle went unseen")
