@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .layout import RunLayout
+
+# EAGLE-3 drafters read three aux layers: fc projects [3 x hidden] (SGLang's LlamaForCausalLMEagle3 and
+# Eagle3DeepseekV2ForCausalLM both build fc for exactly three).
+EAGLE3_AUX_LAYERS = 3
 
 
 class Section(BaseModel):
@@ -32,6 +36,14 @@ class TargetConfig(Section):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(ids) != EAGLE3_AUX_LAYERS:
+            raise ValueError(f"EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc projects "
+                             f"{EAGLE3_AUX_LAYERS} x hidden); got {len(ids)} ids")
+        return ids
 
 
 class RegenerateConfig(Section):

@@ -69,5 +69,5 @@ def prepare(cfg: EyrieConfig) -> dict:
     for line in report.examples[:5]:
         print(f"  skipped {line}")
     print(f"data: {totals['rows']} samples, {totals['tokens']} tokens ({totals['loss_tokens']} with loss), "
-          f"draft vocab {vocab['draft_vocab_size']} covers {vocab['coverage']:.1%} of loss tokens → {out}")
+          f"draft vocab {vocab['draft_vocab_size']} covers {vocab['coverage']:.1%} of loss tokens → {layout.data}")
     return manifest

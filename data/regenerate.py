@@ -85,13 +85,14 @@ class LocalGenerator:
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from .target import load_causal_lm
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
-                                                          trust_remote_code=self.trust_remote_code)
-        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        cuda = torch.cuda.is_available()
+        self.model = load_causal_lm(self.model_path, torch.bfloat16 if cuda else torch.float32,
+                                    "cuda" if cuda else "cpu", self.trust_remote_code)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = {self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
         self.eos_ids.discard(None)

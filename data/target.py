@@ -1,10 +1,18 @@
-"""What every stage needs to know about the target from its config.json, without loading the model."""
+"""The target, in one place: what every stage needs to know about it from its config.json without loading it
+(architecture, layers, hidden size, vocab, dtype, aux layer ids as Eyrie and as SGLang read them), the few
+tensors read straight from its safetensors (embedding, LM head, final norm) and the transformers model itself."""
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import EAGLE3_AUX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -24,14 +32,20 @@ class TargetInfo:
         would serve on other layers than the drafter trains on are refused here, before any extraction."""
         ids = list(configured) if configured is not None else \
             [1, self.num_layers // 2 - 1, self.num_layers - 4]
+        if len(ids) != EAGLE3_AUX_LAYERS:
+            raise ValueError(f"target.aux_layer_ids: EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc "
+                             f"projects {EAGLE3_AUX_LAYERS} x hidden), got {len(ids)} ids {ids}")
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ValueError(f"aux layer ids {bad} outside 0..{self.num_layers - 1} for {self.path}")
+            raise ValueError(f"target.aux_layer_ids: {bad} outside 0..{self.num_layers - 1} for {self.path} "
+                             f"({self.num_layers} layers)" + ("" if configured else "; the default "
+                             "[1, L//2-1, L-4] does not fit a target this small: set target.aux_layer_ids"))
         if len(set(ids)) != len(ids):
-            raise ValueError(f"aux layer ids {ids} repeat a layer (small targets need explicit, distinct ids)")
+            raise ValueError(f"target.aux_layer_ids: {ids} repeat a layer" + ("" if configured else
+                             f" (the default for a {self.num_layers}-layer target): set distinct ids"))
         problem = sglang_serving_problem(self.architecture, self.num_layers, ids)
         if problem:
-            raise ValueError(f"aux layer ids {ids} for {self.path}: {problem}")
+            raise ValueError(f"target.aux_layer_ids: {ids} for {self.path}: {problem}")
         return ids
 
     def drafter_layer_ids(self, written: list[int]) -> list[int]:
@@ -97,3 +111,72 @@ def load_target_info(path: str | Path) -> TargetInfo:
         )
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing {e.args[0]!r} (looked in text_config too)") from None
+
+
+class AuxCapture:
+    """Forward hooks on the decoder layers named by SGLang-convention ids (id i = output of layer i); `take()`
+    returns the captured outputs concatenated [..., n_aux * H]. Extraction and the reference decoder share it."""
+
+    def __init__(self, layers, aux_layer_ids: list[int]):
+        self.aux_layer_ids = aux_layer_ids
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in aux_layer_ids:
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> torch.Tensor:
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        self._captured.clear()
+        return aux
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   trust_remote_code: bool = False):
+    """The target as a transformers model, in eval mode on `device` (extraction, local regeneration, the
+    reference decoder)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+# Tensor name patterns; `(?:.*\.)?` admits wrapper prefixes but not a decoder layer's own copies
+# (DeepSeek-V3's MTP layers carry `model.layers.61.embed_tokens.weight`).
+PATTERNS = {
+    "embed": re.compile(r"^(?:.*\.)?(?:model|language_model)\.embed_tokens\.weight$"),
+    "lm_head": re.compile(r"^(?:.*\.)?lm_head\.weight$"),
+    "norm": re.compile(r"^(?:.*\.)?(?:model|language_model)\.norm\.weight$"),
+}
+
+
+def _weight_files(target: Path) -> dict[str, Path]:
+    index = target / "model.safetensors.index.json"
+    if index.exists():
+        return {k: target / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(target.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target}: no safetensors weights (the trainer reads the target's LM head and "
+                                "embedding from them)")
+    names = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            names.update({k: f for k in fh.keys()})
+    return names
+
+
+def load_target_tensors(target: str | Path, wanted: list[str]) -> dict[str, torch.Tensor]:
+    """{'embed' | 'lm_head' | 'norm': tensor} for the wanted ones present in the target's checkpoint."""
+    target = Path(target)
+    files = _weight_files(target)
+    out = {}
+    for what in wanted:
+        hits = [k for k in files if PATTERNS[what].match(k) and ".layers." not in k and "vision" not in k]
+        if len(hits) > 1:
+            raise ValueError(f"{target}: several tensors could be the {what}: {hits}")
+        if hits:
+            with safe_open(str(files[hits[0]]), "pt") as fh:
+                out[what] = fh.get_tensor(hits[0])
+    return out

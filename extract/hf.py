@@ -9,37 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from data.target import AuxCapture, load_causal_lm
+
 FINAL_HIDDEN = "post_norm"
-
-
-class AuxCapture:
-    """Forward hooks on the decoder layers named by SGLang-convention ids (id i = output of layer i); `take()`
-    returns the captured outputs concatenated [..., n_aux * H]. Extraction and the reference decoder share it."""
-
-    def __init__(self, layers, aux_layer_ids: list[int]):
-        self.aux_layer_ids = aux_layer_ids
-        self._captured: dict[int, torch.Tensor] = {}
-        for i in aux_layer_ids:
-            layers[i].register_forward_hook(self._hook(i))
-
-    def _hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    def take(self) -> torch.Tensor:
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
-        self._captured.clear()
-        return aux
 
 
 class HFBackend:
     def __init__(self, target_path: str, aux_layer_ids: list[int], dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.decoder = model.get_decoder().to(device).eval()
+        model = load_causal_lm(target_path, dtype, device, trust_remote_code)
+        self.decoder = model.get_decoder()
         del model  # drops the LM head; the decoder keeps its own modules
         self.device, self.aux_layer_ids = device, aux_layer_ids
         self.aux = AuxCapture(self.decoder.layers, aux_layer_ids)

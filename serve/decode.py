@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from extract.hf import AuxCapture
+from data.target import AuxCapture, load_causal_lm
 from train.drafter import KVCache
 
 from .drafter_dir import load_drafter
@@ -46,8 +46,7 @@ class Target:
     """A transformers causal LM whose forward also returns the configured layers' outputs (SGLang's ids)."""
 
     def __init__(self, path: str, aux_layer_ids: list[int], device: torch.device, dtype: torch.dtype):
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model = load_causal_lm(path, dtype, device)
         self.aux = AuxCapture(self.model.get_decoder().layers, aux_layer_ids)
 
     @torch.inference_mode()

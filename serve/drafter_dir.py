@@ -17,12 +17,11 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from data.target import declared_dtype, load_target_info
+from data.target import declared_dtype, load_target_info, load_target_tensors
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
 from train.mla import ARCH as MLA_ARCH
 from train.mla import is_mla
-from train.teacher import load_target_tensors
 
 
 class DrafterDirError(ValueError):

@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from data.config import EyrieConfig, cli_config
 from data.files import atomic_write_json
-from data.target import load_target_info
+from data.target import load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
 from train.drafter import Eagle3Drafter, drafter_config
 from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start
 from train.loader import FeatureData
 from train.metrics import Logger, TTTStats, score
-from train.teacher import Teacher, load_target_tensors
+from train.teacher import Teacher
 from train.ttt import ttt_unroll
 
 

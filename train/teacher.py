@@ -1,57 +1,16 @@
 """The teacher: the target's next-token distribution from the stored final hidden states.
 
-Tensors come straight from the target's safetensors (only the few needed, by name, whatever prefix the
-checkpoint uses, e.g. `language_model.`): the LM head (or the tied embedding), the final norm when the
-shards hold pre-norm states, and the input embedding the drafter shares. Nothing here is trained.
+Its tensors come straight from the target's safetensors (data.target.load_target_tensors): the LM head (or the
+tied embedding) and the final norm when the shards hold pre-norm states. Nothing here is trained.
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-# Tensor name patterns; `(?:.*\.)?` admits wrapper prefixes but not a decoder layer's own copies
-# (DeepSeek-V3's MTP layers carry `model.layers.61.embed_tokens.weight`).
-PATTERNS = {
-    "embed": re.compile(r"^(?:.*\.)?(?:model|language_model)\.embed_tokens\.weight$"),
-    "lm_head": re.compile(r"^(?:.*\.)?lm_head\.weight$"),
-    "norm": re.compile(r"^(?:.*\.)?(?:model|language_model)\.norm\.weight$"),
-}
-
-
-def _weight_files(target: Path) -> dict[str, Path]:
-    index = target / "model.safetensors.index.json"
-    if index.exists():
-        return {k: target / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    files = sorted(target.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{target}: no safetensors weights (the trainer reads the target's LM head and "
-                                "embedding from them)")
-    names = {}
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            names.update({k: f for k in fh.keys()})
-    return names
-
-
-def load_target_tensors(target: str | Path, wanted: list[str]) -> dict[str, torch.Tensor]:
-    """{'embed' | 'lm_head' | 'norm': tensor} for the wanted ones present in the target's checkpoint."""
-    target = Path(target)
-    files = _weight_files(target)
-    out = {}
-    for what in wanted:
-        hits = [k for k in files if PATTERNS[what].match(k) and ".layers." not in k and "vision" not in k]
-        if len(hits) > 1:
-            raise ValueError(f"{target}: several tensors could be the {what}: {hits}")
-        if hits:
-            with safe_open(str(files[hits[0]]), "pt") as fh:
-                out[what] = fh.get_tensor(hits[0])
-    return out
-
+from data.target import load_target_tensors
 
 @dataclass
 class TeacherOutput:

@@ -35,6 +35,8 @@ def test_yaml_and_overrides(cfg_file):
     (["--data.overflow", "wrap"], "data.overflow: Input should be 'truncate' or 'drop'"),
     (["--data.max_length", "4"], "data.max_length: Input should be greater than or equal to 8"),
     (["--bogus.key", "1"], "bogus: unknown key"),
+    (["--target.aux_layer_ids", "[1, 2]"], "target.aux_layer_ids: Value error, EAGLE-3 drafters read exactly 3 layers"),
+    (["--target.aux_layer_ids", "[1, 2, 3, 4]"], "got 4 ids"),
 ])
 def test_errors_name_the_key(cfg_file, args, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

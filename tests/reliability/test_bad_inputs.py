@@ -110,7 +110,7 @@ CASES = {  # name: (what raises, the error it raises, the words that name the pl
                                                    "shard path '../../etc/passwd' is not a file name inside"),
     "unknown config key": (lambda f: load_config(None, ["--train.nope=1"]), ConfigError, "train.nope"),
     "aux layer id >= number of layers": (lambda f: __import__("data.target").target.load_target_info(
-        f["target"]).aux_layer_ids([0, 1, 9]), ValueError, r"aux layer ids \[9\] outside 0..3"),
+        f["target"]).aux_layer_ids([0, 1, 9]), ValueError, r"target.aux_layer_ids: \[9\] outside 0..3"),
     "draft vocab > target vocab": (lambda f: __import__("data.vocab").vocab.build_draft_vocab(
         torch.ones(100), 101), ValueError, "draft_vocab_size 101 must be in 1..100"),
     "TTT length 0": (lambda f: load_config(None, ["--train.ttt_steps=0"]), ConfigError, "train.ttt_steps"),

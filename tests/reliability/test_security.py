@@ -40,7 +40,7 @@ def test_the_code_never_unpickles(survival):
 def test_pickles_where_weights_are_expected_are_refused_unrun(tmp_path, survival):
     from serve.drafter_dir import DrafterDirError, read_tensors
     from train.engine import WeightsOnlyCheckpointEngine
-    from train.teacher import load_target_tensors
+    from data.target import load_target_tensors
     marker = tmp_path / "pwned"
     with pytest.raises(DrafterDirError, match="no safetensors"):  # a drafter dir holding only a pickle
         read_tensors(plant(tmp_path / "drafter" / "pytorch_model.bin", marker).parent)

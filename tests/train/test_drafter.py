@@ -2,7 +2,6 @@
 import functools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,8 @@ from data.vocab import load_draft_vocab
 from train import ttt
 from train.drafter import Eagle3Drafter, drafter_config
 from train.loader import FeatureData, held_out
-from train.teacher import Teacher, load_target_tensors
+from data.target import load_target_tensors
+from train.teacher import Teacher
 
 
 def reference_unroll(w: dict, cfg, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
