@@ -27,6 +27,11 @@ class TargetInfo:
     text_config: dict      # the language model's config (a multimodal wrapper's `text_config`)
     dtype: str = "float32"  # the declared weight dtype; SGLang's `--dtype auto` reads it (absent = float32)
 
+    @property
+    def is_mla(self) -> bool:
+        """DeepSeek-style latent attention (DeepSeek-V3, Kimi-K2.5): SGLang serves it with MLA kernels."""
+        return "kv_lora_rank" in self.text_config
+
     def aux_layer_ids(self, configured: list[int] | None = None) -> list[int]:
         """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4]. Ids SGLang
         would serve on other layers than the drafter trains on are refused here, before any extraction."""

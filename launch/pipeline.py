@@ -197,7 +197,7 @@ def regenerate_server_args(cfg: EyrieConfig) -> list[str]:
     """serve.server_args, then CUDA graphs and running requests sized to regenerate.concurrency (later flags win):
     decode batches past the graphs' largest size run eagerly, launch-bound. On the mission run's H200, 256
     requests under graphs captured up to 128 decoded at 6-8K tokens/s, 48 under a graph at 19.9K."""
-    from serve.smoke import decode_graph_args
+    from serve.sglang_server import decode_graph_args
     n = cfg.data.regenerate.concurrency
     return ["--model-path", cfg.target.path, "--tp", str(cfg.serve.tp), *cfg.serve.server_args,
             *decode_graph_args([n]), "--max-running-requests", str(n)]
@@ -220,15 +220,12 @@ def served_target(cfg: EyrieConfig):
         print("[pipeline] regenerate: every conversation already answered; no server started", flush=True)
         yield
         return
-    from serve.smoke import Server
+    from serve.sglang_server import serving
     log = cfg.layout.pipeline / "regenerate-server.log"
-    server = Server(regenerate_server_args(cfg), url.port, log, cfg.serve.timeout_s)
-    print(f"[pipeline] regenerate: {shlex.join(server.cmd)} (log {log})", flush=True)
-    try:
-        print(f"[pipeline] regenerate: server ready after {server.wait_ready():.0f} s", flush=True)
+    print(f"[pipeline] regenerate: serving the target (log {log})", flush=True)
+    with serving(regenerate_server_args(cfg), url.port, log, cfg.serve.timeout_s) as server:
+        print(f"[pipeline] regenerate: {shlex.join(server.cmd)} ready after {server.ready_s:.0f} s", flush=True)
         yield
-    finally:
-        server.stop()
 
 
 def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:

@@ -29,21 +29,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-from tqdm import tqdm
-
 from data.files import file_checksum
 from data.layout import RunLayout
+from data.target import declared_dtype, load_target_info
+
+from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]
@@ -81,26 +76,6 @@ def single_stream_costs(baseline_tokens_per_s: float, spec_tokens_per_s: float, 
             "most_tokens_per_cycle": steps + 1, "limited_by": limited_by}
 
 
-def _port_free(port: int) -> bool:
-    """Whether a new server could bind the port (SO_REUSEADDR, as uvicorn binds: TIME_WAIT leftovers do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _gpu_memory_used_mib() -> list[int]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return [int(x) for x in out.split()]
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return []
-
-
 def sglang_auto_dtype(declared: str | None) -> str:
     """The dtype SGLang's `--dtype auto` serves a model in, from what its config.json declares (its
     `_get_and_verify_dtype`, Gemma aside): float32 or nothing declared → float16."""
@@ -113,7 +88,6 @@ def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> No
     mat2 to have the same dtype"). An explicit --dtype sets both; an Eyrie export declares its target's dtype."""
     if any(arg == "--dtype" or arg.startswith("--dtype=") for arg in server_args):
         return
-    from data.target import declared_dtype, load_target_info
     declared = {"target": load_target_info(target).dtype,
                 "drafter": declared_dtype(json.loads((Path(drafter) / "config.json").read_text()))}
     served = {k: sglang_auto_dtype(v) for k, v in declared.items()}
@@ -122,71 +96,6 @@ def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> No
                          f"{declared['target']}: SGLang would serve the drafter in {served['drafter']} and the target "
                          f"in {served['target']}, and the EAGLE3 server fails on the mixed dtypes. Pass "
                          f"--server-arg=--dtype={served['drafter']} (or re-export the drafter for this target)")
-
-
-def server_command(port: int, args: list[str]) -> list[str]:
-    """Bound to 127.0.0.1: the smoke test's servers are not reachable from other machines unless the user's
-    server args say otherwise."""
-    return [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
-
-
-def decode_graph_args(concurrency: list[int]) -> list[str]:
-    """`--cuda-graph-bs-decode` with the batch sizes clients at these concurrencies make: powers of two up to the
-    largest (a batch shrinks as its requests finish and runs in the next captured size up) and each concurrency.
-    SGLang's own lists are captured size by size at every server start: 36 sizes up to 256 (46 s of a 71 s start on
-    the H200, JIT cache warm) where 9 cover the same batches; in speculative mode 35 sizes up to 128, each with
-    draft and verify graphs, where 8 do. An explicit list replaces `--cuda-graph-max-bs-decode` (SGLang 0.5.14)."""
-    largest = max(concurrency)
-    sizes = {1 << i for i in range(largest.bit_length())} | set(concurrency)
-    return ["--cuda-graph-bs-decode", *map(str, sorted(sizes))]
-
-
-class Server:
-    def __init__(self, args: list[str], port: int, log: Path, timeout: float):
-        self.port, self.log, self.timeout = port, log, timeout
-        if not _port_free(port):
-            raise RuntimeError(f"port {port} is in use; pass --port")
-        self.cmd = server_command(port, args)
-        self.fh = open(log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.fh, stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait_ready(self) -> float:
-        start = time.time()
-        with tqdm(desc=f"waiting for {self.log.stem}", unit="s", bar_format="{desc}: {elapsed}") as bar:
-            while time.time() - start < self.timeout:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log}:\n"
-                                       + self.log.read_text()[-3000:])
-                try:
-                    if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
-                        return time.time() - start
-                except requests.RequestException:
-                    pass
-                time.sleep(2)
-                bar.update(2)
-        raise TimeoutError(f"server not ready after {self.timeout:.0f} s; log {self.log}")
-
-    def generate(self, input_ids: list[int], max_new: int) -> dict:
-        r = requests.post(self.url + "/generate", json={"input_ids": input_ids, "sampling_params": {
-            "temperature": 0, "max_new_tokens": max_new}}, timeout=600)
-        r.raise_for_status()
-        return r.json()
-
-    def stop(self) -> dict:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.fh.close()
-        for _ in range(30):
-            if _port_free(self.port):
-                break
-            time.sleep(1)
-        return {"port_free": _port_free(self.port), "gpu_memory_used_mib": _gpu_memory_used_mib()}
 
 
 def server_key(command: list[str], prompts: list[list[int]], max_new: int, concurrency: list[int],
@@ -248,7 +157,7 @@ def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
@@ -267,58 +176,66 @@ def main(argv: list[str] | None = None) -> dict:
                         "single-stream, and report their parity: a bf16 near-tie or a speculation bug")
     p.add_argument("--out", default="smoke")
     a = p.parse_args(argv)
-    steps = [int(n) for n in a.steps.split(",")]
+    a.steps = [int(n) for n in a.steps.split(",")]
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    return a
+
+
+def prompt_ids(a: argparse.Namespace) -> list[list[int]]:
+    """The prompts as token ids, tokenized as the reference decoder does, so both see the very same prompt."""
     from transformers import AutoTokenizer
 
     from .decode import read_prompts
-    check_served_dtypes(a.target, a.drafter, a.server_arg)  # now, not after minutes of server start-up
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(a.target)
     if a.run:
         from .evaluate import held_out_prompts
-        reference_decoding(a.run, a.drafter, steps[0])  # fail now, not after minutes of server start-up
+        reference_decoding(a.run, a.drafter, a.steps[0])  # fail now, not after minutes of server start-up
         convs = held_out_prompts(a.run, a.limit)
     elif a.prompts:
         convs = read_prompts(a.prompts)
     else:
         convs = [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
-    # token ids, tokenized as the reference decoder does, so both see the very same prompt
-    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
-               for m in convs[:a.limit]]
-    concurrency = [int(c) for c in a.concurrency.split(",")]
-    target_config = json.loads((Path(a.target) / "config.json").read_text())
-    mla = "kv_lora_rank" in (target_config.get("text_config") or target_config)
-    common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(concurrency) * 2),
-              *decode_graph_args(concurrency), *a.server_arg]  # the user's own graph sizes, if any, come last: they win
+    tok = AutoTokenizer.from_pretrained(a.target)
+    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for m in convs[:a.limit]]
+
+
+def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]:
+    """(name, launch_server args, concurrencies) of each server to measure, the plain baseline first."""
+    mla = load_target_info(a.target).is_mla
+    common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(a.concurrency) * 2),
+              *decode_graph_args(a.concurrency), *a.server_arg]  # the user's own graph sizes, if any, come last: they win
 
     def eagle(n: int) -> list[str]:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,
                 "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
                 "--speculative-num-draft-tokens", str(n + 1)] + \
             (["--speculative-draft-attention-backend", "triton"] if mla else [])  # the Llama drafter: not MLA's
-    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": steps, "prompts": len(prompts),
-              "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": _gpu_memory_used_mib()}
-    spec_names = ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
-    servers = [("baseline", common, concurrency)] + \
-        [(name, common + eagle(n), concurrency) for name, n in zip(spec_names, steps)]
+    servers = [("baseline", common, a.concurrency)] + \
+        [(name, common + eagle(n), a.concurrency) for name, n in zip(spec_names(a.steps), a.steps)]
     if a.deterministic_parity:  # batch-invariant kernels: a 4-token verify computes what a 1-token decode does
         deterministic = ["--enable-deterministic-inference"]
         servers += [("baseline_deterministic", common + deterministic, [1]),
-                    ("eagle3_deterministic", common + eagle(steps[0]) + deterministic, [1])]
-    for name, args, levels in servers:
+                    ("eagle3_deterministic", common + eagle(a.steps[0]) + deterministic, [1])]
+    return servers
+
+
+def spec_names(steps: list[int]) -> list[str]:
+    return ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
+
+
+def run_servers(a: argparse.Namespace, prompts: list[list[int]], out: Path) -> dict:
+    """Each planned server started, measured and stopped in turn (or its saved measurements reused)."""
+    report = {}
+    for name, args, levels in server_plan(a):
         key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, levels,
                          a.drafter if a.drafter in args else None)
 
         def serve_and_measure() -> dict:
-            server = Server(args, a.port, out / f"server-{name}.log", a.timeout)
-            result = {"command": " ".join(server.cmd)}
-            try:
-                result["ready_s"] = server.wait_ready()
-                result["measured"] = measure(server, prompts, a.max_new_tokens, levels)
-            finally:
-                result["stopped"] = server.stop()
-            return result
+            stopped: dict = {}
+            with serving(args, a.port, out / f"server-{name}.log", a.timeout, stopped) as server:
+                result = {"command": " ".join(server.cmd), "ready_s": server.ready_s,
+                          "measured": measure(server, prompts, a.max_new_tokens, levels)}
+            return result | {"stopped": stopped}
         try:
             result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
         except (RuntimeError, TimeoutError) as e:
@@ -329,10 +246,15 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         report |= {f"{name}_ready_s": result["ready_s"], name: result["measured"],
                    f"{name}_stopped": result["stopped"], f"{name}_command": result["command"]}
+    return report
+
+
+def compare(report: dict, a: argparse.Namespace, prompts: int) -> dict:
+    """Parity with the plain server, verdicts per concurrency and single-stream costs, from the measurements."""
     base, spec = report["baseline"], report["eagle3"]
 
     def parity(run: dict, baseline: dict = base) -> float:  # share of prompts whose output equals the baseline's
-        return sum(x == y for x, y in zip(baseline["texts"], run["texts"])) / len(prompts)
+        return sum(x == y for x, y in zip(baseline["texts"], run["texts"])) / prompts
     report["parity"] = parity(spec)
     if a.deterministic_parity and "deterministic" not in report:
         det = report["eagle3_deterministic"]
@@ -340,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "accept_length": det["accept_length"],
                                    "baseline_parity_with_default_kernels": parity(report["baseline_deterministic"])}
     report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
-    for name, n in zip(spec_names, steps):
+    for name, n in zip(spec_names(a.steps), a.steps):
         measured = report[name]
         measured["single_stream"] = single_stream_costs(base["tokens_per_s"][1], measured["tokens_per_s"][1],
                                                         measured["accept_length"], n)
@@ -348,14 +270,18 @@ def main(argv: list[str] | None = None) -> dict:
             measured |= {"parity": parity(measured), "verdict": verdict(base["tokens_per_s"], measured["tokens_per_s"])}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
     if a.run:
-        report["reference"] = compare_with_run(a.run, a.drafter, steps[0], spec)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+        report["reference"] = compare_with_run(a.run, a.drafter, a.steps[0], spec)
+    return report
+
+
+def print_report(report: dict, a: argparse.Namespace) -> None:
+    base, spec = report["baseline"], report["eagle3"]
     print(f"parity with baseline: {report['parity']:.0%}; accept length {spec['accept_length']} "
           f"(spec_accept_length mean {spec['spec_accept_length_mean']})")
-    for c in concurrency:
+    for c in a.concurrency:
         print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
               f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
-    for name, n in zip(spec_names, steps):
+    for name, n in zip(spec_names(a.steps), a.steps):
         costs = report[name]["single_stream"]
         print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
               f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
@@ -364,26 +290,42 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"--enable-deterministic-inference: no parity check, {report['deterministic']['error'][:300]}")
     elif "deterministic" in report:
         det = report["deterministic"]
-        print(f"--enable-deterministic-inference, {steps[0]} steps: parity with its plain server {det['parity']:.0%}, "
-              f"accept length {det['accept_length']:.3f}; its plain output = the default plain output on "
-              f"{det['baseline_parity_with_default_kernels']:.0%}")
-    for n in steps[1:]:
+        print(f"--enable-deterministic-inference, {a.steps[0]} steps: parity with its plain server "
+              f"{det['parity']:.0%}, accept length {det['accept_length']:.3f}; its plain output = the default plain "
+              f"output on {det['baseline_parity_with_default_kernels']:.0%}")
+    for n in a.steps[1:]:
         deeper = report[f"eagle3_steps{n}"]
         print(f"{n} steps: accept length {deeper['accept_length']}, parity {deeper['parity']:.0%}, "
-              + ", ".join(f"c={c} {deeper['tokens_per_s'][c] / base['tokens_per_s'][c]:.2f}x" for c in concurrency))
-    for name, r in report.get("reference", {}).get("accept_length", {}).items():
+              + ", ".join(f"c={c} {deeper['tokens_per_s'][c] / base['tokens_per_s'][c]:.2f}x" for c in a.concurrency))
+    print_reference(report.get("reference", {}))
+
+
+def print_reference(reference: dict) -> None:
+    for name, r in reference.get("accept_length", {}).items():
         print(f"{name:>28}: accept length {r['value']:.3f} ({r['relative_to_sglang']:+.1%} vs SGLang)")
-    if "reference" in report:
+    if reference:
         print(f"SGLang EAGLE3 output tokens equal to the reference decoder's: "
-              f"{report['reference']['token_parity_with_reference_decoder']:.0%}")
-    if "same_output_prompts" in report.get("reference", {}):
-        same = report["reference"]["same_output_prompts"]
+              f"{reference['token_parity_with_reference_decoder']:.0%}")
+    if "same_output_prompts" in reference:
+        same = reference["same_output_prompts"]
         print(f"on the {same['prompts']} prompts with equal outputs: SGLang {same['sglang']:.3f}, reference decoder "
               f"{same['reference_decoder']:.3f} ({same['relative_to_sglang']:+.1%}); equal verify steps on "
               f"{same['prompts_with_equal_verify_steps']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    check_served_dtypes(a.target, a.drafter, a.server_arg)  # now, not after minutes of server start-up
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = prompt_ids(a)
+    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps, "prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": gpu_memory_used_mib()}
+    report = compare(report | run_servers(a, prompts, out), a, len(prompts))
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print_report(report, a)
     print(f"report: {out / 'report.json'}")
     return report
-
 
 def reference_decoding(run: str, drafter: str, steps: int) -> dict:
     """The run's serve.evaluate report, which must hold a reference-decoder run of this drafter and chain."""

@@ -70,7 +70,7 @@ def test_remote_code_runs_only_when_asked(tmp_path, survival):
 
 
 def test_smoke_servers_bind_localhost_and_refuse_a_busy_port(tmp_path, survival):
-    from serve.smoke import Server, server_command
+    from serve.sglang_server import Server, server_command
     cmd = server_command(30000, ["--model-path", "m"])
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     with socket.socket() as busy:

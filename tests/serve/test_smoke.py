@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from serve.smoke import (accept_length, compare_with_run, decode_graph_args, measured_once, server_key,
-                         single_stream_costs, verdict)
+from serve.sglang_server import decode_graph_args
+from serve.smoke import accept_length, compare_with_run, measured_once, server_key, single_stream_costs, verdict
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
