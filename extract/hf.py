@@ -1,4 +1,5 @@
-"""The transformers backend: any AutoModelForCausalLM target, aux states captured with forward hooks.
+"""The transformers backend (extract/backend.py's protocol): any AutoModelForCausalLM target, aux states captured
+with forward hooks.
 
 Only the configured layers' outputs are kept (hooks, not `output_hidden_states`, which holds every layer),
 and the decoder is called without the LM head, so no [T, vocab] logits are computed. The final hidden
@@ -11,17 +12,18 @@ import torch
 
 from data.target import AuxCapture, load_causal_lm
 
-FINAL_HIDDEN = "post_norm"
+from .backend import BackendSpec
 
 
 class HFBackend:
-    def __init__(self, target_path: str, aux_layer_ids: list[int], dtype: torch.dtype, device: torch.device,
-                 trust_remote_code: bool = False):
-        model = load_causal_lm(target_path, dtype, device, trust_remote_code)
+    max_forward_tokens = None  # extract.max_batch_tokens decides
+
+    def __init__(self, spec: BackendSpec):
+        model = load_causal_lm(spec.target_path, spec.dtype, spec.device, spec.trust_remote_code)
         self.decoder = model.get_decoder()
         del model  # drops the LM head; the decoder keeps its own modules
-        self.device, self.aux_layer_ids = device, aux_layer_ids
-        self.aux = AuxCapture(self.decoder.layers, aux_layer_ids)
+        self.device, self.aux_layer_ids = spec.device, spec.aux_layer_ids
+        self.aux = AuxCapture(self.decoder.layers, spec.aux_layer_ids)
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

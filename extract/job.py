@@ -34,8 +34,9 @@ from data.layout import write_scalars
 from data.shards import ShardDataset, ShardMeta, ShardWriteError, ShardWriter, write_manifest
 from data.target import load_target_info
 
-from .hf import FINAL_HIDDEN, HFBackend
-from .sglang import MAX_FORWARD_TOKENS, SGLangBackend
+from . import build
+from .backend import FINAL_HIDDEN, Backend, BackendSpec
+from .sglang import MAX_FORWARD_TOKENS
 from .sglang import available as sglang_available
 
 
@@ -131,7 +132,7 @@ def write_rows(writer: ShardWriter, rows: list, sizes: list[int], finite: list[b
         start += n
 
 
-def extract_chunk(backend: HFBackend | SGLangBackend, samples: ShardDataset, lengths, indices: list[int],
+def extract_chunk(backend: Backend, samples: ShardDataset, lengths, indices: list[int],
                   writer: ShardWriter | None, io: AsyncShardWriter, max_tokens: int, vocab_size: int, skipped: Counter,
                   bar: tqdm) -> None:
     """Forward the chunk's samples in length-grouped batches and queue their rows for `writer` (None: a
@@ -288,14 +289,11 @@ def run(cfg: EyrieConfig) -> dict | None:
           + (f", tensor-parallel rank {tp_rank}/{tp} of group {group}" if tp > 1 else ""), flush=True)
     stats = {"rank": rank, "samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "skipped": Counter()}
     if todo:
-        if backend_name == "sglang":  # a group's ranks meet on a port of its own next to torchrun's
-            port = int(os.environ.get("MASTER_PORT", 29500)) + 1 + group if tp > 1 else None
-            backend = SGLangBackend(cfg.target.path, layer_ids, device.index or 0, cfg.target.trust_remote_code,
-                                    tp_rank=tp_rank, tp_size=tp, nccl_port=port)
-        else:
-            backend = HFBackend(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
-                                cfg.target.trust_remote_code)
-        max_tokens = min(ec.max_batch_tokens, getattr(backend, "max_forward_tokens", ec.max_batch_tokens))
+        # a tensor-parallel group's ranks meet on a port of its own next to torchrun's
+        port = int(os.environ.get("MASTER_PORT", 29500)) + 1 + group if tp > 1 else None
+        backend = build(backend_name, BackendSpec(cfg.target.path, layer_ids, getattr(torch, dtype_name), device,
+                                                  cfg.target.trust_remote_code, tp_rank, tp, port))
+        max_tokens = min(ec.max_batch_tokens, backend.max_forward_tokens or ec.max_batch_tokens)
         bar = tqdm(total=tokens_of(todo), desc=f"extract rank {rank}", unit="tok", unit_scale=True, position=group,
                    disable=not writes)
         io = AsyncShardWriter()

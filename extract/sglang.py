@@ -1,4 +1,4 @@
-"""The SGLang backend: the target runs in SGLang's own model code, weight loader and kernels, in-process.
+"""The SGLang backend (extract/backend.py's protocol): the target runs in SGLang's own model code, weight loader and kernels, in-process.
 
 The numerics that will serve are the numerics the drafter learns from. SGLang is driven the way its own
 `sglang.bench_one_batch` drives it (one `ModelRunner` per rank; `ScheduleBatch.init_new` →
@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+
+from .backend import BackendSpec
 
 TESTED_VERSIONS = ("0.5.14",)
 # SGLang sizes its per-forward buffers by chunked_prefill_size; 16,384 tokens in one forward failed at the
@@ -104,8 +106,7 @@ class _NoPrefixCache(SimpleNamespace):
 class SGLangBackend:
     max_forward_tokens = MAX_FORWARD_TOKENS
 
-    def __init__(self, target_path: str, aux_layer_ids: list[int], gpu_id: int, trust_remote_code: bool = False,
-                 mem_fraction_static: float = 0.5, tp_rank: int = 0, tp_size: int = 1, nccl_port: int | None = None):
+    def __init__(self, spec: BackendSpec, mem_fraction_static: float = 0.5):
         import sglang
         check_version(sglang.__version__)
         from sglang.srt.configs.model_config import ModelConfig
@@ -115,6 +116,9 @@ class SGLangBackend:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import PortArgs, ServerArgs
 
+        target_path, trust_remote_code, tp_rank, tp_size = (spec.target_path, spec.trust_remote_code, spec.tp_rank,
+                                                             spec.tp_size)
+        gpu_id = spec.device.index or 0
         check_head_dim(target_path, trust_remote_code)
         args = ServerArgs(model_path=target_path, attention_backend="triton", sampling_backend="pytorch",
                           grammar_backend="none", disable_cuda_graph=True, disable_radix_cache=True,
@@ -130,12 +134,12 @@ class SGLangBackend:
             self.runner = ModelRunner(model_config=ModelConfig.from_server_args(args),
                                       mem_fraction_static=mem_fraction_static, gpu_id=gpu_id, tp_rank=tp_rank,
                                       tp_size=tp_size, moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
-                                      nccl_port=nccl_port or PortArgs.init_new(args).nccl_port, server_args=args)
+                                      nccl_port=spec.nccl_port or PortArgs.init_new(args).nccl_port, server_args=args)
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()  # with graphs disabled this sets up the eager runner forward() uses
         self.args, self.device = args, torch.device("cuda", gpu_id)
-        self.runner.model.set_eagle3_layers_to_capture(list(aux_layer_ids))
+        self.runner.model.set_eagle3_layers_to_capture(list(spec.aux_layer_ids))
         self._final: list[torch.Tensor] = []
         self.runner.model.model.norm.register_forward_hook(
             lambda _m, _i, out: self._final.append(out[0] if isinstance(out, tuple) else out))

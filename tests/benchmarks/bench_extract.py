@@ -145,11 +145,12 @@ def forward(cfg, result, flops_per_token, peak, a, target, ids, vocab) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     if a.backend == "hf":
+        from extract.backend import BackendSpec
         from extract.hf import HFBackend
-        backend = HFBackend(str(target), ids, torch.bfloat16, torch.device("cuda"))
+        backend = HFBackend(BackendSpec(str(target), ids, torch.bfloat16, torch.device("cuda")))
     else:
         from extract.sglang import SGLangBackend
-        backend = SGLangBackend(str(target), ids, gpu_id=0)
+        backend = SGLangBackend(BackendSpec(str(target), ids, torch.bfloat16, torch.device("cuda", 0)))
     batch_tokens = min(a.max_batch_tokens, getattr(backend, "max_forward_tokens", a.max_batch_tokens))
     bs = max(1, batch_tokens // a.seq)
     g = torch.Generator().manual_seed(1)

@@ -17,9 +17,10 @@ import torch
 def main(target: str, layer_ids: list[int]) -> None:
     from transformers import AutoModelForCausalLM
 
+    from extract.backend import BackendSpec
     from extract.sglang import SGLangBackend
 
-    backend = SGLangBackend(target, layer_ids, gpu_id=0)
+    backend = SGLangBackend(BackendSpec(target, layer_ids, torch.bfloat16, torch.device("cuda", 0)))
     vocab = backend.runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 

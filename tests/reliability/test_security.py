@@ -54,6 +54,7 @@ def test_pickles_where_weights_are_expected_are_refused_unrun(tmp_path, survival
 
 def test_remote_code_runs_only_when_asked(tmp_path, survival):
     from data.config import load_config
+    from extract.backend import BackendSpec
     from extract.hf import HFBackend
     marker = tmp_path / "pwned"
     target = tmp_path / "target"
@@ -64,7 +65,7 @@ def test_remote_code_runs_only_when_asked(tmp_path, survival):
     (target / "evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
     assert load_config(None, ["--target.path=t", "--data.inputs=[x]"]).target.trust_remote_code is False
     with pytest.raises(ValueError, match="trust_remote_code"):
-        HFBackend(str(target), [0], None, "cpu")
+        HFBackend(BackendSpec(str(target), [0], None, "cpu"))
     assert not marker.exists()
     survival("security: checkpoint code not run without trust_remote_code", 1, 1)
 
