@@ -1,8 +1,8 @@
-"""SGLang's EAGLE-3 drafter directory: what `LlamaForCausalLMEagle3` (or, for `drafter.arch: mla`,
-`Eagle3DeepseekV2ForCausalLM`: MLA attention tensors `q_a_proj`, `q_a_layernorm`, `q_b_proj`,
-`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, the rest alike) loads, and its validation.
+"""SGLang's EAGLE-3 drafter directory: what SGLang's class for the drafter's architecture (train/drafters/:
+`LlamaForCausalLMEagle3`, `Eagle3DeepseekV2ForCausalLM`; each names its attention tensors, the rest is alike)
+loads, and its validation.
 
-A directory holds `config.json` (architectures `LlamaForCausalLMEagle3`, `num_hidden_layers: 1`, `vocab_size`
+A directory holds `config.json` (architectures = that class, `num_hidden_layers: 1`, `vocab_size`
 = the target's, `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, RoPE in both the
 transformers-5 and the legacy form, `eagle_config.eagle_aux_hidden_state_layer_ids`) and safetensors with
 exactly the drafter's tensors: SGLang silently skips unknown names and a missing `d2t`, so every check that
@@ -20,26 +20,11 @@ from transformers import LlamaConfig
 from data.target import declared_dtype, load_target_info, load_target_tensors
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
-from train.mla import ARCH as MLA_ARCH
-from train.mla import is_mla
+from train.drafters import arch_of
 
 
 class DrafterDirError(ValueError):
     pass
-
-
-def _attention_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    H, heads = config.hidden_size, config.num_attention_heads
-    if is_mla(config):
-        c = config
-        qk, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim
-        return {"q_a_proj": (c.q_lora_rank, 2 * H), "q_a_layernorm": (c.q_lora_rank,),
-                "q_b_proj": (heads * qk, c.q_lora_rank), "kv_a_proj_with_mqa": (c.kv_lora_rank + rope, 2 * H),
-                "kv_a_layernorm": (c.kv_lora_rank,), "kv_b_proj": (heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                                                  c.kv_lora_rank),
-                "o_proj": (H, heads * c.v_head_dim)}
-    q, kv = heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return {"q_proj": (q, 2 * H), "k_proj": (kv, 2 * H), "v_proj": (kv, 2 * H), "o_proj": (H, q)}
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -48,7 +33,7 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "fc.weight": (H, 3 * config.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
-        **{f"midlayer.self_attn.{k}.weight": v for k, v in _attention_shapes(config).items()},
+        **{f"midlayer.self_attn.{k}.weight": v for k, v in arch_of(config).attention_shapes(config).items()},
         "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
         "midlayer.mlp.down_proj.weight": (H, I),
         "norm.weight": (H,), "lm_head.weight": (config.draft_vocab_size, H),
@@ -65,9 +50,8 @@ def sglang_config(config: LlamaConfig) -> dict:
     rope = dict(out.get("rope_parameters") or {})
     # the target's declared dtype (train.drafter.drafter_config); both keys, for transformers 4 and 5 readers
     dtype = declared_dtype(out) or "bfloat16"
-    out |= {"architectures": [MLA_ARCH if is_mla(config) else "LlamaForCausalLMEagle3"],
-            # transformers must parse it: deepseek_v3 knows the MLA dims, llama the rest
-            "model_type": "deepseek_v3" if is_mla(config) else "llama", "num_hidden_layers": 1,
+    arch = arch_of(config)
+    out |= {"architectures": [arch.sglang_class], "model_type": arch.model_type, "num_hidden_layers": 1,
             "tie_word_embeddings": False, "dtype": dtype, "torch_dtype": dtype,
             "rope_theta": rope.get("rope_theta", 10000.0),
             "rope_scaling": None if rope.get("rope_type", "default") == "default" else
@@ -93,6 +77,10 @@ def read_config(directory: str | Path) -> LlamaConfig:
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
+    try:
+        arch_of(config)
+    except ValueError as e:
+        raise DrafterDirError(f"{path}: {e}") from None
     return config
 
 

@@ -26,7 +26,7 @@ from transformers import LlamaConfig
 from data.files import atomic_write_json
 from data.layout import RunLayout
 from data.shards import read_manifest
-from train.mla import is_mla
+from train.drafters import arch_of
 
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
 
@@ -143,10 +143,9 @@ def maybe_check_with_sglang(directory: Path) -> dict | str:
     except ImportError:
         return "not run: sglang is not installed (pip install -e '.[sglang]')"
     config = read_config(directory)
-    rope = getattr(config, "rope_parameters", None) or {}
-    if is_mla(config) and rope.get("rope_type", "default") == "default" and not torch.cuda.is_available():
-        return ("not run: SGLang builds an MLA drafter's RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); "
-                "this drafter has plain RoPE, so its loader check needs a GPU machine")
+    problem = arch_of(config).cpu_check_problem(config)
+    if problem:
+        return f"not run: {problem}"
     from .sglang_check import check_in_subprocess
     return check_in_subprocess(directory)[0]
 

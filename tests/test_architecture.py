@@ -88,3 +88,16 @@ def test_the_checker_sees_a_later_stage_and_a_cycle(tmp_path, monkeypatch):
         assert "data.a → data.c → data.a" in str(e)
     else:
         raise AssertionError("a cycle went unseen")
+
+
+def test_the_configs_choices_are_the_extension_tables():
+    """A drafter architecture or an extraction backend is a module plus a table entry; the config offers exactly
+    the table's names (plus `auto` for backends)."""
+    from typing import get_args
+
+    from data.config import DrafterConfig, ExtractConfig
+    from extract import BACKENDS
+    from train.drafters import DRAFTERS
+    assert set(get_args(DrafterConfig.model_fields["arch"].annotation)) == set(DRAFTERS)
+    assert set(get_args(ExtractConfig.model_fields["backend"].annotation)) == set(BACKENDS) | {"auto"}
+    assert all(arch.name == name for name, arch in DRAFTERS.items())

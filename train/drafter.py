@@ -11,8 +11,8 @@ output; x = [input_layernorm(embed(tokens)), hidden_norm(h)] (2H) → attention 
 post_attention_layernorm → SwiGLU MLP → + residual = the step's output hidden (pre-norm; SGLang feeds this
 to the next draft step) → norm → lm_head over the draft vocabulary.
 
-With `drafter.arch: mla` the attention is DeepSeek-style latent attention (train/mla.py) and the export is
-SGLang's `Eagle3DeepseekV2ForCausalLM`; everything else is the same layer.
+The attention is the architecture's (train/drafters/: `llama`, or `mla`, DeepSeek-style latent attention
+exported as SGLang's `Eagle3DeepseekV2ForCausalLM`); everything else is the same layer.
 """
 from __future__ import annotations
 
@@ -23,19 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from data.config import DrafterConfig
 from data.target import TargetInfo
 
-from .fused import DraftHead, RMSNorm, SwiGLUMLP, on_cuda_compiled
-from .mla import ARCH as MLA_ARCH
-from .mla import FIELDS as MLA_FIELDS
-from .mla import Eagle3MLAttention, is_mla, mla_fields
+from .drafters import DRAFTERS, arch_named, arch_of
+from .fused import DraftHead, RMSNorm, SwiGLUMLP
 from .ttt import ttt_attention
-
-
-_rope = on_cuda_compiled(apply_rotary_pos_emb)
 
 
 def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: int,
@@ -53,15 +48,14 @@ def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: i
         raise ValueError(f"drafter: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     rope = {"rope_parameters": t["rope_parameters"]} if t.get("rope_parameters") else \
         {"rope_theta": t.get("rope_theta", 10000.0), "rope_scaling": t.get("rope_scaling")}
-    mla = {}
-    if shape.arch == "mla":
-        mla = mla_fields(t, shape, hidden, heads) | {"rope_interleave": True}
-        kv_heads, head_dim = heads, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-    elif any(getattr(shape, k) for k in MLA_FIELDS):
-        raise ValueError(f"drafter: {', '.join(k for k in MLA_FIELDS if getattr(shape, k))} set, but arch is llama")
+    arch = arch_named(shape.arch)
+    foreign = [k for other in DRAFTERS.values() for k in other.shape_fields
+               if k not in arch.shape_fields and getattr(shape, k)]
+    if foreign:
+        raise ValueError(f"drafter: {', '.join(foreign)} set, but arch is {arch.name}")
+    attention = {"num_key_value_heads": kv_heads, "head_dim": head_dim} | arch.config_fields(t, shape, hidden, heads)
     return LlamaConfig(
-        architectures=[MLA_ARCH if mla else "LlamaForCausalLMEagle3"], hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, **mla,
+        architectures=[arch.sglang_class], hidden_size=hidden, num_attention_heads=heads, **attention,
         intermediate_size=shape.intermediate_size or int(t.get("intermediate_size") or 4 * hidden),
         rms_norm_eps=shape.rms_norm_eps or float(t.get("rms_norm_eps", 1e-6)), hidden_act="silu",
         num_hidden_layers=1, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
@@ -114,33 +108,12 @@ def attend(q, k, v, past: list[tuple[torch.Tensor, torch.Tensor]], cache: "KVCac
                                           enable_gqa=keys.shape[1] != q.shape[1])
 
 
-class Eagle3Attention(nn.Module):
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                    config.head_dim)
-        width = 2 * config.hidden_size  # [embeds, hidden] concatenated
-        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
-
-    def qkv(self, x, cos, sin):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, k, cos, sin)
-        return q, k, v
-
-
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Eagle3MLAttention(config) if is_mla(config) else Eagle3Attention(config)
+        self.self_attn = arch_of(config).attention(config)
         self.attention_backend = "blockwise"
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
@@ -167,9 +140,10 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
-        # MLA rotates only its qk_rope_head_dim dims of each head
-        self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**(config.to_dict() | {"head_dim": config.qk_rope_head_dim}))
-                                               if is_mla(config) else config)
+        # built for the dims the architecture rotates (MLA: only qk_rope_head_dim of each head)
+        rotary_dim = arch_of(config).rotary_dim(config)
+        self.rotary_emb = LlamaRotaryEmbedding(config if rotary_dim == config.head_dim else
+                                               LlamaConfig(**(config.to_dict() | {"head_dim": rotary_dim})))
         # DeepSpeed's bf16 cast also casts float buffers; RoPE frequencies must stay fp32 (SGLang keeps them
         # so), else angles drift by radians at positions in the thousands. Kept here, out of the cast's reach.
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()

@@ -7,8 +7,8 @@ from data.config import DrafterConfig
 from data.target import load_target_info
 from tests.extract.test_extract import build_deepseek
 from train.drafter import Eagle3Drafter, attend, drafter_config
-from train.mla import FIELDS as MLA_FIELDS
-from train.mla import is_mla
+from train.drafters import arch_of
+from train.drafters.mla import FIELDS as MLA_FIELDS
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
@@ -50,7 +50,7 @@ def export_and_check_with_sglang(drafter: Eagle3Drafter, out) -> None:
 
 def test_mla_dims_come_from_an_mla_target_and_the_config_wins(deepseek_target):
     config = mla_drafter(deepseek_target).config
-    assert is_mla(config) and config.architectures == ["Eagle3DeepseekV2ForCausalLM"]
+    assert arch_of(config).name == "mla" and config.architectures == ["Eagle3DeepseekV2ForCausalLM"]
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim) == (16, 16, 8, 8, 8)  # the tiny DeepseekV3 target's
     assert mla_drafter(deepseek_target, kv_lora_rank=32).config.kv_lora_rank == 32
@@ -163,7 +163,7 @@ def test_real_size_kimi_k25_config_gives_the_published_mla_drafter_shape(tmp_pat
     import json
 
     from serve.drafter_dir import expected_shapes, sglang_config
-    from train.mla import softmax_scale
+    from train.drafters.mla import softmax_scale
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
                                                       "model_type": "kimi_k25", "text_config": KIMI_TEXT}))
     info = load_target_info(tmp_path)

@@ -18,12 +18,17 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-ARCH = "Eagle3DeepseekV2ForCausalLM"
+from .base import DrafterArch
+
 FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def is_mla(config) -> bool:
-    return ARCH in (getattr(config, "architectures", None) or [])
+def config_fields(target_text_config: dict, shape, hidden: int, heads: int) -> dict:
+    """The five MLA dims (set in the config, else the target's when it is an MLA target, else derived from the
+    shape), interleaved RoPE, and the per-head widths a Llama config would otherwise derive."""
+    dims = mla_fields(target_text_config, shape, hidden, heads)
+    return dims | {"rope_interleave": True, "num_key_value_heads": heads,
+                   "head_dim": dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]}
 
 
 def mla_fields(target_text_config: dict, shape, hidden: int, heads: int) -> dict:
@@ -83,3 +88,28 @@ class Eagle3MLAttention(nn.Module):
         q_rope = rope_interleaved(q_rope, cos, sin)
         k_rope = rope_interleaved(k_rope.view(B, 1, T, self.rope), cos, sin).expand(B, self.heads, T, self.rope)
         return torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rope], dim=-1), v
+
+
+def attention_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    c, H, heads = config, config.hidden_size, config.num_attention_heads
+    qk, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim
+    return {"q_a_proj": (c.q_lora_rank, 2 * H), "q_a_layernorm": (c.q_lora_rank,),
+            "q_b_proj": (heads * qk, c.q_lora_rank), "kv_a_proj_with_mqa": (c.kv_lora_rank + rope, 2 * H),
+            "kv_a_layernorm": (c.kv_lora_rank,), "kv_b_proj": (heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                                              c.kv_lora_rank),
+            "o_proj": (H, heads * c.v_head_dim)}
+
+
+def cpu_check_problem(config: LlamaConfig) -> str | None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "default" and not torch.cuda.is_available():
+        return ("SGLang builds an MLA drafter's RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); this drafter has "
+                "plain RoPE, so its loader check needs a GPU machine")
+    return None
+
+
+ARCH = DrafterArch(name="mla", sglang_class="Eagle3DeepseekV2ForCausalLM",
+                   model_type="deepseek_v3",  # transformers' deepseek_v3 config knows the MLA dims
+                   attention=Eagle3MLAttention, attention_shapes=attention_shapes, config_fields=config_fields,
+                   rotary_dim=lambda config: config.qk_rope_head_dim, cpu_check_problem=cpu_check_problem,
+                   shape_fields=FIELDS)
