@@ -26,10 +26,12 @@ setup(
     name="eyrie",
     version="0.1.0",
     description=__doc__,
-    python_requires=">=3.10",
+    # 3.11: PYTHONSAFEPATH (the commands the pipeline starts never import from the working directory)
+    python_requires=">=3.11",
     packages=["data", "extract", "train", "serve", "launch"],
     package_data={"launch": ["configs/*.yaml"]},
     install_requires=CORE,
+    entry_points={"console_scripts": ["eyrie = launch.cli:main"]},
     extras_require={
         # 0.5.14 serves on the GPU machine (torch 2.11); 0.5.23 is the CPU loader check's version.
         "sglang": ["sglang>=0.5.14,<=0.5.23"],

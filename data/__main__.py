@@ -2,6 +2,11 @@
 from .config import cli_config
 from .prepare import prepare
 
-if __name__ == "__main__":
-    cfg, _ = cli_config("Eyrie data stage: conversations → tokens, loss masks, draft vocabulary.")
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, _ = cli_config("data", "Eyrie data stage: conversations → tokens, loss masks, draft vocabulary.", argv)
     prepare(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -232,13 +232,24 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     return raw
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+    keys = set()
+    for arg in overrides:
+        if arg.startswith("--"):
+            keys.add(arg[2:].split("=", 1)[0])
+    return keys
+
+
+def _format_errors(err: ValidationError, path: str | Path | None, overrides: Sequence[str]) -> str:
+    """One line per problem, each blamed on where its key came from: a --key on the command line or the file."""
+    given = _override_keys(overrides)
+    lines = ["invalid config:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         got = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {e.get('input')!r})"
-        lines.append(f"  {key}: {msg}{got}")
+        from_cli = any(key == k or key.startswith(k + ".") for k in given)
+        lines.append(f"  {key}: {msg}{got}  [{'command line --' + key if from_cli else path or 'defaults'}]")
     return "\n".join(lines)
 
 
@@ -255,12 +266,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Eyrie
     try:
         return EyrieConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, str(path or "overrides"))) from None
+        raise ConfigError(_format_errors(e, path, overrides)) from None
 
 
-def cli_config(description: str, argv: Sequence[str] | None = None,
+def cli_config(stage: str, description: str, argv: Sequence[str] | None = None,
                arguments: dict[str, dict] | None = None) -> tuple[EyrieConfig, argparse.Namespace]:
-    """Entry-point helper: `--config FILE` plus overrides; prints the resolved config.
+    """Entry-point helper: `--config FILE` plus overrides; the resolved config goes to RUN_DIR/config/STAGE.yaml
+    (one line on the console says where).
 
     `arguments` adds entry-point flags that are not config keys (name -> argparse kwargs)."""
     parser = argparse.ArgumentParser(description=description,
@@ -274,5 +286,8 @@ def cli_config(description: str, argv: Sequence[str] | None = None,
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
     if os.environ.get("RANK", "0") == "0":  # one copy under torchrun / deepspeed
-        print("resolved config:\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), flush=True)
+        path = cfg.layout.resolved_config(stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        print(f"[{stage}] {args.config} → run_dir {cfg.run_dir}; resolved config: {path}", flush=True)
     return cfg, args

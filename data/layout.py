@@ -11,14 +11,19 @@ path under RUN_DIR itself, and none imports another stage's module to learn one.
       drafter/, drafter-untrained/                         SGLang drafter dirs (export stage)
       evaluate/evaluate.json, acceptance.png               (evaluate stage)
       smoke/report.json + server logs                      (smoke stage, GPU)
-      tensorboard/STAGE/                                   one TensorBoard log dir per stage
-      pipeline/STAGE.json, config.yaml                     what the pipeline ran and the resolved config
+      tensorboard/STAGE/START_TIME/                        TensorBoard: one log dir per stage and command
+      pipeline/STAGE.json                                  what the pipeline ran (fingerprint, commands, seconds)
+      config/STAGE.yaml                                    the config each stage last ran with, defaults filled in
       report.json                                          the run's summary
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# one TensorBoard run per command: a rerun's events go beside the earlier ones, not into them
+STARTED = time.strftime("%Y%m%d-%H%M%S")
 
 
 @dataclass(frozen=True)
@@ -108,17 +113,18 @@ class RunLayout:
     def stage_record(self, stage: str) -> Path:
         return self.pipeline / f"{stage}.json"
 
-    @property
-    def resolved_config(self) -> Path:
-        return self.pipeline / "config.yaml"
+    def resolved_config(self, stage: str) -> Path:
+        """The config a stage's last command ran with, every default filled in."""
+        return self.root / "config" / f"{stage}.yaml"
 
     @property
     def report(self) -> Path:
         return self.root / "report.json"
 
     def tensorboard(self, stage: str) -> Path:
-        """One TensorBoard log dir per run, a subdirectory per stage: `tensorboard --logdir RUN_DIR/tensorboard`."""
-        return self.root / "tensorboard" / stage
+        """This command's TensorBoard log dir: RUN_DIR/tensorboard/STAGE/START_TIME, so that
+        `tensorboard --logdir RUN_DIR/tensorboard` shows every stage, and each rerun or resume beside the others."""
+        return self.root / "tensorboard" / stage / STARTED
 
 
 def partial_of(answers: Path) -> Path:

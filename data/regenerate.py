@@ -257,9 +257,13 @@ def run(cfg: EyrieConfig) -> dict:
     return {"source": source.to_json(), **result}
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     from .config import cli_config
-    cfg, _ = cli_config("Eyrie regenerate stage: the target answers the conversations' prompts again.")
+    cfg, _ = cli_config("regenerate", "Eyrie regenerate stage: the target answers the conversations' prompts again.", argv)
     if not cfg.data.regenerate.enabled:
         raise SystemExit("data.regenerate.enabled is false: nothing to regenerate")
     run(cfg)
+
+
+if __name__ == "__main__":
+    main()

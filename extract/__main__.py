@@ -5,6 +5,11 @@ from data.config import cli_config
 
 from .job import run
 
-if __name__ == "__main__":
-    cfg, _ = cli_config("Eyrie extraction: target hidden states into Arrow shards.")
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, _ = cli_config("extract", "Eyrie extraction: target hidden states into Arrow shards.", argv)
     run(cfg)
+
+
+if __name__ == "__main__":
+    main()

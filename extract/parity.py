@@ -46,15 +46,20 @@ def compare(a: ShardDataset, b: ShardDataset, max_samples: int | None = None) ->
                            "max_abs_diff": max_abs[n]} for n in names}}
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--max-samples", type=int)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     result = compare(ShardDataset(args.a), ShardDataset(args.b), args.max_samples)
     print(f"{'':10} {'cos mean':>10} {'cos min':>10} {'max |diff|':>11}   ({result['samples']} samples, "
           f"{' vs '.join(result['dtypes'])})")
     for name, r in result["layers"].items():
         print(f"{name:10} {r['cosine_mean']:10.6f} {r['cosine_min']:10.6f} {r['max_abs_diff']:11.3g}")
     print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

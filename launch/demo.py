@@ -7,13 +7,18 @@ import sys
 from pathlib import Path
 
 from launch.demo_target import build_demo_assets
-from launch.pipeline import main
+from launch.pipeline import main as pipeline
 
 CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
-if __name__ == "__main__":
+
+def main(argv: list[str] | None = None) -> dict:
     assets = Path("runs/demo/assets")
     if not (assets / "target" / "config.json").exists():
         print(f"[demo] building the demo target in {assets}", flush=True)
         build_demo_assets(assets)
-    main(["--config", str(CONFIG), *sys.argv[1:]])
+    return pipeline(["--config", str(CONFIG), *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()

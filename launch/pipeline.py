@@ -24,7 +24,6 @@ import json
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,9 @@ from urllib.parse import urlparse
 from data.config import ConfigError, EyrieConfig, load_config
 from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
+
+from . import stage_process
+from .check import report as check_report
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_PROMPTS, DECODE_STEPS = 16, 3  # the reference decoder's chain: 3 steps, top-k 1, 4 draft tokens
@@ -293,9 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
         commands = {s: stage_commands(cfg, s, args.config, overrides) for s in stages}
     except ConfigError as e:
         p.exit(2, f"error: {e}\n")
+    prints = fingerprints(cfg)
+    to_run = [s for s in stages if commands[s] and not stage_done(cfg, s, prints)]
+    if to_run and check_report(cfg, args.config):  # before any work: every problem with its key
+        raise SystemExit(2)
     cfg.layout.pipeline.mkdir(parents=True, exist_ok=True)
     report_path = cfg.layout.report
-    prints = fingerprints(cfg)
     for stage in stages:
         if not commands[stage]:
             print(f"[pipeline] {stage}: not enabled (data.regenerate.enabled is false); nothing to run", flush=True)
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         with served_target(cfg) if stage == "regenerate" else contextlib.nullcontext():
             for cmd in commands[stage]:
                 print(f"[pipeline] {stage}: {shlex.join(cmd)}", flush=True)
-                subprocess.run(cmd, check=True)
+                stage_process.run(stage, cmd)
         atomic_write_json(_record(cfg, stage), {"fingerprint": prints[stage], "commands": commands[stage],
                                                 "seconds": round(time.time() - start, 2),
                                                 "config": cfg.model_dump(mode="json")})

@@ -161,7 +161,7 @@ def check_each(directories: list[str]) -> list[dict]:
 def check_in_subprocess(*directories: str | Path, timeout: float = 600, raise_on_problem: bool = True) -> list[dict]:
     """check_each's reports, from a fresh interpreter. A failed check raises DrafterDirError naming its
     problems unless `raise_on_problem` is false."""
-    paths = [str(d) for d in directories]
+    paths = [str(Path(d).resolve()) for d in directories]  # the check runs from the repository root
     out = subprocess.run([sys.executable, "-m", "serve.sglang_check", *paths], capture_output=True,
                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
     try:  # the last lines: one report per directory, in order
@@ -180,8 +180,13 @@ def check_in_subprocess(*directories: str | Path, timeout: float = 600, raise_on
     return reports
 
 
-if __name__ == "__main__":
-    results = check_each(sys.argv[1:])
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serve.sglang_check DIR [DIR ...]`: one JSON report per directory; exit 1 if any fails."""
+    results = check_each(sys.argv[1:] if argv is None else argv)
     for result in results:
         print(json.dumps(result))
-    sys.exit(0 if all(r["ok"] for r in results) else 1)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,7 +51,11 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
             keys = ", ".join(f"train.optim.{k}" for k in sorted(train.optim.model_fields_set))
             raise ConfigError(f"{keys} set in the config but --deepspeed_config {user_json} is given: "
                               "set them in one place")
-        ds = json.loads(Path(user_json).read_text())
+        try:
+            ds = json.loads(Path(user_json).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--deepspeed_config {user_json}: {e}") from None
+        ds = fill_auto(ds, train, total_steps, bf16, user_json)
         if ds.setdefault("train_micro_batch_size_per_gpu", 1) != 1:
             raise ConfigError(f"{user_json}: train_micro_batch_size_per_gpu must be 1 (a micro-batch is one "
                               "token-budget batch; size it with train.max_batch_tokens)")
@@ -59,9 +63,6 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
         if bool(ds.get("bf16", {}).get("enabled")) != bf16:
             raise ConfigError(f"{user_json}: bf16.enabled must be {str(bf16).lower()} to match train.dtype "
                               "(auto = bfloat16 on GPU, float32 on CPU)")
-        params = ds.get("scheduler", {}).get("params", {})
-        if params.get("total_num_steps") in (None, "auto") and "total_num_steps" in params:
-            params["total_num_steps"] = total_steps
         return ds
     o = train.optim
     return {
@@ -82,6 +83,44 @@ def deepspeed_config(train: TrainConfig, total_steps: int, bf16: bool, user_json
         "bf16": {"enabled": bf16},
         "steps_per_print": 10 ** 9,
     }
+
+
+# "auto" values of a Hugging Face-style DeepSpeed JSON that DeepSpeed derives or defaults itself: dropped
+AUTO_DROPPED = {"train_batch_size", *(f"zero_optimization.{k}" for k in (
+    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "sub_group_size",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save"))}
+
+
+def fill_auto(ds: dict, train: TrainConfig, total_steps: int, bf16: bool, source: str) -> dict:
+    """A DeepSpeed JSON written the Hugging Face way: each "auto" value is filled from the config (train.optim,
+    the step count, the dtype), dropped where DeepSpeed derives it, or refused naming its key."""
+    o = train.optim
+    derived = {"scheduler.params.warmup_max_lr": o.lr, "scheduler.params.warmup_min_lr": 0.0,
+               "scheduler.params.warmup_num_steps": max(1, o.warmup_steps),
+               "scheduler.params.total_num_steps": total_steps, "fp16.enabled": False, "bf16.enabled": bf16}
+    generated = deepspeed_config(train, total_steps, bf16)
+
+    def at(path: str):
+        node = generated
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def walk(node: dict, prefix: str) -> dict:
+        out = {}
+        for key, value in node.items():
+            path = prefix + key
+            if isinstance(value, dict):
+                out[key] = walk(value, path + ".")
+            elif value != "auto":
+                out[key] = value
+            elif path in derived or at(path) is not None:
+                out[key] = derived[path] if path in derived else at(path)
+            elif path not in AUTO_DROPPED:
+                raise ConfigError(f"--deepspeed_config {source}: {path} is \"auto\" and Eyrie has no value for "
+                                  "it: write the value")
+        return out
+    return walk(ds, "")
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # `deepspeed train/main.py` runs this as a script: import the project's packages
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    ROOT = str(Path(__file__).resolve().parents[1])  # (not train/, nor the working directory: PYTHONSAFEPATH)
+    sys.path[:] = [ROOT] + [p for p in sys.path if p not in (ROOT, str(Path(__file__).resolve().parent))]
 
 import deepspeed
 import torch
@@ -102,7 +103,7 @@ def evaluate(engine, data: FeatureData, teacher: Teacher, cfg: EyrieConfig, devi
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = cli_config("Train an EAGLE-3 drafter with DeepSpeed.", argv, {
+    cfg, args = cli_config("train", "Train an EAGLE-3 drafter with DeepSpeed.", argv, {
         "--deepspeed_config": {"default": None, "help": "a DeepSpeed JSON to use instead of train.optim"},
         "--local_rank": {"type": int, "default": None, "help": "set by the deepspeed launcher"}})
     device = setup_distributed()

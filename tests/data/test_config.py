@@ -43,6 +43,14 @@ def test_errors_name_the_key(cfg_file, args, message):
         load_config(cfg_file, args)
 
 
+def test_a_wrong_key_is_blamed_on_where_it_came_from(cfg_file):
+    with pytest.raises(ConfigError, match=r"data.max_length: .*\[command line --data.max_length\]"):
+        load_config(cfg_file, ["--data.max_length", "many"])
+    cfg_file.write_text(YAML.replace("max_length: 512", "max_length: many"))
+    with pytest.raises(ConfigError, match=r"data.max_length: .*\[" + str(cfg_file) + r"\]"):
+        load_config(cfg_file, ["--data.skip_malformed", "true"])
+
+
 def test_unknown_key_in_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text(YAML.replace("max_length: 512", "max_length: 512\n  shuffle: true"))

@@ -21,12 +21,15 @@ def test_two_ranks_train(stage, zero2_run, zero3_run):
         reference = losses(zero2_run[0])
         assert all(abs(curve[s] - reference[s]) < 1e-3 for s in curve), (curve, reference)
     assert "2 ranks" in out and out.count("resolved config:") == 1  # rank 0 alone prints
+    assert "zero_stage: %d" % stage in (run / "config" / "train.yaml").read_text()
     # no shared-memory allreduce on CPU: DeepSpeed's leaks a /dev/shm buffer per rank per run
     port = re.search(r"--master_port[= ](\d+)", out).group(1)
     assert "shm_comm" not in out and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(run / "tensorboard" / "train"))
+    logdirs = list((run / "tensorboard" / "train").iterdir())  # one per command: a rerun writes beside it
+    assert len(logdirs) == 1
+    events = EventAccumulator(str(logdirs[0]))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/loss_step0", "train/acc_step2", "train/accept_length", "train/lr",
@@ -57,6 +60,31 @@ def test_deepspeed_json_is_the_single_source_when_given(tmp_path):
     generated = deepspeed_config(TrainConfig.model_validate({"optim": {"zero_stage": 1, "grad_accum": 4}}), 50, True)
     assert generated["zero_optimization"]["stage"] == 1 and generated["gradient_accumulation_steps"] == 4
     assert generated["bf16"]["enabled"] and generated["scheduler"]["params"]["total_num_steps"] == 50
+
+
+def test_a_hugging_face_style_deepspeed_json_is_filled_from_the_config_or_refused_by_key(tmp_path):
+    """The `"auto"` values a transformers Trainer JSON carries: filled from train.optim / the step count / the
+    dtype, dropped where DeepSpeed derives them, refused by key otherwise (once a raw TypeError)."""
+    ds = tmp_path / "ds.json"
+    hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}}
+    ds.write_text(json.dumps(hf))
+    made = deepspeed_config(TrainConfig(), 321, False, str(ds))
+    assert made["train_micro_batch_size_per_gpu"] == 1 and "train_batch_size" not in made
+    assert made["gradient_accumulation_steps"] == 1 and made["gradient_clipping"] == 0.5
+    assert made["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
+    assert made["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-4, "warmup_num_steps": 50,
+                                           "total_num_steps": 321}
+    assert made["bf16"] == {"enabled": False} and made["fp16"] == {"enabled": False}
+    assert made["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 50_000_000, "overlap_comm": True}
+    ds.write_text(json.dumps(hf | {"activation_checkpointing": {"number_checkpoints": "auto"}}))
+    with pytest.raises(ConfigError, match='activation_checkpointing.number_checkpoints is "auto"'):
+        deepspeed_config(TrainConfig(), 321, False, str(ds))
 
 
 def test_zero1_with_gradient_accumulation(zero2_run, features_run, tmp_path):
