@@ -132,9 +132,9 @@ def test_multi_node_commands(tmp_path):
         stage_commands(config_with(launch={"nnodes": 2, "rdzv_endpoint": "a:1"}), "train", "run.yaml", [])
 
 
-def test_readme_config_reference_is_generated_from_the_config_classes():
-    from launch.config_reference import README, reference
-    assert reference() in README.read_text(), "run: python -m launch.config_reference --write"
+def test_the_config_reference_is_generated_from_the_config_classes():
+    from launch.config_reference import REFERENCE_PAGE, reference
+    assert reference() in REFERENCE_PAGE.read_text(), "run: python -m launch.config_reference --write"
     undocumented = [line.split("|")[1] for line in reference().splitlines()
                     if line.startswith("| `") and not line.rstrip(" |").split("|")[-1].strip()]
     assert not undocumented, undocumented

@@ -86,13 +86,15 @@ def test_broken_drafters_fail_validation(how, exported, tmp_path):
 
 
 @needs_sglang
-def test_broken_drafters_fail_sglangs_own_loader(exported, tmp_path):
+def test_broken_drafters_fail_sglangs_own_loader(exported, tmp_path, monkeypatch):
     """Our validation aside, SGLang's loader check itself catches each (it would load most of them silently);
-    one interpreter checks them all, the good one among them."""
+    one interpreter checks them all, the good one among them, named relative to the working directory (the check
+    runs elsewhere: a relative --out once failed there with a Hugging Face repo-id error)."""
     from serve.sglang_check import check_in_subprocess
     bad = [_break(exported[0] / "zero2", tmp_path / how.replace(" ", "-"), how) for how in BROKEN]
-    reports = check_in_subprocess(exported[0] / "zero2", *bad, raise_on_problem=False)
-    assert reports[0]["ok"], reports[0]
+    monkeypatch.chdir(exported[0])
+    reports = check_in_subprocess("zero2", *bad, raise_on_problem=False)
+    assert reports[0]["ok"] and reports[0]["directory"] == str(exported[0] / "zero2"), reports[0]
     problems = {how: " ".join(r["problems"]) for how, r in zip(BROKEN, reports[1:])}
     assert "up_proj" in problems["misnamed tensor"] and "not written" in problems["misnamed tensor"], problems
     assert "raised" in problems["wrong shape"] and "95" in problems["wrong shape"], problems
