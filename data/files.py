@@ -40,6 +40,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def read_json(path: str | Path) -> Any | None:
+    """A JSON file's content, or None when the file does not exist."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from .config import EAGLE3_AUX_LAYERS
+from .files import read_json
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,9 @@ def declared_dtype(config: dict) -> str | None:
 
 def load_target_info(path: str | Path) -> TargetInfo:
     cfg_path = Path(path) / "config.json"
-    try:
-        config = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{cfg_path}: the target directory has no config.json") from None
+    config = read_json(cfg_path)
+    if config is None:
+        raise FileNotFoundError(f"{cfg_path}: the target directory has no config.json")
     text = config.get("text_config") or config
     try:
         return TargetInfo(

@@ -10,13 +10,13 @@ matters happens here, before a server ever sees the directory.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from data.files import read_json
 from data.target import declared_dtype, load_target_info, load_target_tensors
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
@@ -62,10 +62,9 @@ def sglang_config(config: LlamaConfig) -> dict:
 
 def read_config(directory: str | Path) -> LlamaConfig:
     path = Path(directory) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DrafterDirError(f"{path}: missing") from None
+    raw = read_json(path)
+    if raw is None:
+        raise DrafterDirError(f"{path}: missing")
     missing = [k for k in ("hidden_size", "vocab_size", "draft_vocab_size") if raw.get(k) is None]
     if missing:
         raise DrafterDirError(f"{path}: no {', '.join(missing)}")
