@@ -2,8 +2,8 @@
 included), and, when it fails, one line that says why, taken from that output, instead of the pipeline's own
 traceback stacked on torchrun's.
 
-Commands run with PYTHONSAFEPATH=1: `python -m extract` then imports Eyrie's packages, never a `data.py` or
-`train.py` in the user's working directory.
+Commands run with PYTHONSAFEPATH=1 and Eyrie's root on PYTHONPATH: `python -m extract` then imports Eyrie's
+packages (installed or not), never a `data.py` or `train.py` in the user's working directory.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import shlex
 import subprocess
 import sys
 from collections import deque
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 TAIL_BYTES = 64 * 1024
 # "ValueError: target.aux_layer_ids: ...", "error: ...", "[extract] refused: ..."; launchers' own wrappers are not
 # the cause (torchrun's ChildFailedError, a CalledProcessError of deepspeed's runner)
@@ -38,7 +40,9 @@ def failure_cause(output: str) -> str:
 
 def run(stage: str, cmd: list[str]) -> None:
     """Run `cmd`, teeing its output; raise StageFailed with one explanatory line when it exits non-zero."""
-    env = os.environ | {"PYTHONSAFEPATH": "1"}
+    # Eyrie's own root first on the path (an uninstalled checkout works too), the working directory never
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = os.environ | {"PYTHONSAFEPATH": "1", "PYTHONPATH": path}
     tail: deque[bytes] = deque()
     size = 0
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc:
