@@ -58,12 +58,11 @@ def check_packed(states: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return states
 
 
-def check_head_dim(target_path: str, trust_remote_code: bool) -> None:
+def check_head_dim(target_path: str) -> None:
     """SGLang's triton attention fails to compile for head_dim < 16 (tl.dot needs K >= 16): say so up front."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    config = getattr(config, "text_config", None) or config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from data.target import load_target_info
+    config = load_target_info(target_path).text_config
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if head_dim < 16:
         raise ValueError(f"extract.backend sglang: {target_path} has head_dim {head_dim}; SGLang's triton attention "
                          "kernels need at least 16 (tl.dot: K >= 16); use extract.backend hf")
@@ -119,7 +118,7 @@ class SGLangBackend:
         target_path, trust_remote_code, tp_rank, tp_size = (spec.target_path, spec.trust_remote_code, spec.tp_rank,
                                                              spec.tp_size)
         gpu_id = spec.device.index or 0
-        check_head_dim(target_path, trust_remote_code)
+        check_head_dim(target_path)
         args = ServerArgs(model_path=target_path, attention_backend="triton", sampling_backend="pytorch",
                           grammar_backend="none", disable_cuda_graph=True, disable_radix_cache=True,
                           mem_fraction_static=mem_fraction_static, dtype="bfloat16",

@@ -50,7 +50,7 @@ def test_backend_resolution():
 def test_targets_too_narrow_for_sglangs_attention_kernels_are_refused_up_front(tiny_target):
     from extract.sglang import check_head_dim
     with pytest.raises(ValueError, match="has head_dim 8; SGLang's triton attention kernels need at least 16"):
-        check_head_dim(str(tiny_target), trust_remote_code=False)
+        check_head_dim(str(tiny_target))
 
 
 def test_tensor_parallel_groups_are_consecutive_ranks_on_one_node():
