@@ -95,3 +95,13 @@ def test_the_configs_choices_are_the_extension_tables():
     assert set(get_args(DrafterConfig.model_fields["arch"].annotation)) == set(DRAFTERS)
     assert set(get_args(ExtractConfig.model_fields["backend"].annotation)) == set(BACKENDS) | {"auto"}
     assert all(arch.name == name for name, arch in DRAFTERS.items())
+
+
+def test_a_drafter_config_naming_no_class_is_the_llama_drafter_and_an_unknown_class_is_refused():
+    from transformers import LlamaConfig
+
+    from train.drafters import arch_of
+    assert arch_of(LlamaConfig(hidden_size=16, num_attention_heads=2)).name == "llama"  # as before the table: the GPU TTT tests build these
+    assert arch_of(LlamaConfig(architectures=["Eagle3DeepseekV2ForCausalLM"])).name == "mla"
+    with pytest.raises(ValueError, match="'MedusaModel': not an EAGLE-3 drafter class Eyrie knows"):
+        arch_of(LlamaConfig(architectures=["MedusaModel"]))

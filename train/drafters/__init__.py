@@ -21,8 +21,9 @@ def arch_named(name: str) -> DrafterArch:
 
 
 def arch_of(config) -> DrafterArch:
-    """The architecture a drafter config (ours or a published one) declares by its SGLang class."""
-    declared = (getattr(config, "architectures", None) or [None])[0]
+    """The architecture a drafter config (ours or a published one) declares by its SGLang class; a config that
+    names none (a bare LlamaConfig) is the Llama drafter."""
+    declared = (getattr(config, "architectures", None) or [DRAFTERS["llama"].sglang_class])[0]
     for arch in DRAFTERS.values():
         if arch.sglang_class == declared:
             return arch
