@@ -25,6 +25,7 @@ def prepare(cfg: EyrieConfig) -> dict:
     samples = layout.samples
     samples.mkdir(parents=True, exist_ok=True)
     info = load_target_info(cfg.target.path)
+    info.check_draft_vocab_size(cfg.data.draft_vocab_size)  # now, not after tokenizing every conversation
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
     chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow)
 

@@ -54,6 +54,11 @@ class TargetInfo:
             raise ValueError(f"target.aux_layer_ids: {ids} for {self.path}: {problem}")
         return ids
 
+    def check_draft_vocab_size(self, size: int) -> None:
+        if size > self.vocab_size:
+            raise ValueError(f"data.draft_vocab_size: {size} is larger than the target's vocabulary "
+                             f"({self.vocab_size}); set it to at most {self.vocab_size}")
+
     def drafter_layer_ids(self, written: list[int]) -> list[int]:
         """The layer outputs SGLang feeds a drafter whose config names `written` (an imported drafter's ids
         mean what SGLang does with them on this target), checked as aux_layer_ids checks."""

@@ -28,10 +28,10 @@ def problems(cfg: EyrieConfig, deepspeed_json: str | None = None) -> list[str]:
     except ValueError as e:
         found.append(f"{e}" if str(e).startswith("target.aux_layer_ids") else f"target.aux_layer_ids: {e}")
         ids = None
-    if cfg.data.draft_vocab_size > info.vocab_size:
-        found.append(f"data.draft_vocab_size: {cfg.data.draft_vocab_size} is larger than the target's vocabulary "
-                     f"({info.vocab_size}); set it to at most {info.vocab_size} (--data.draft_vocab_size "
-                     f"{min(32000, info.vocab_size)})")
+    try:
+        info.check_draft_vocab_size(cfg.data.draft_vocab_size)
+    except ValueError as e:
+        found.append(str(e))
     found += tokenizer_problems(cfg)
     found += [f"data.inputs: {p} does not exist" for p in cfg.data.inputs if not Path(p).exists()]
     if ids is not None and cfg.data.draft_vocab_size <= info.vocab_size:

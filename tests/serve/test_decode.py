@@ -17,11 +17,14 @@ def test_demo_report_has_the_measured_acceptance(demo_run):
     assert f"[pipeline] accept length {report['accept_length']:.2f}" in out
     assert report["lossless"] is True and report["drafter_dir"] == str(run / "drafter")
     assert set(report["stage_seconds"]) == {"regenerate", "data", "extract", "train", "export", "evaluate"}
-    # one TensorBoard dir for the run, every stage with numbers in it
+    # one TensorBoard dir for the run, every stage with numbers in it (a log dir per stage and command)
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     events = EventMultiplexer().AddRunsFromDirectory(str(run / "tensorboard"))
     events.Reload()
-    tags = {run_name: set(t["scalars"]) for run_name, t in events.Runs().items()}
+    tags: dict[str, set] = {}
+    for run_name, t in events.Runs().items():  # run names: STAGE/START_TIME
+        tags.setdefault(run_name.split("/")[0], set()).update(t["scalars"])
+    assert all(len(name.split("/")) == 2 for name in events.Runs())
     assert {"extract/tokens_per_s_rank1", "extract/bytes_per_token"} <= tags["extract"]
     assert {"train/loss", "eval/accept_length"} <= tags["train"]
     assert {"evaluate/drafter/accept_length", "evaluate/drafter-untrained/reference_decoder_accept_length"} \
