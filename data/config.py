@@ -22,6 +22,13 @@ from .layout import RunLayout
 EAGLE3_AUX_LAYERS = 3
 
 
+def aux_count_problem(ids: list[int]) -> str | None:
+    if len(ids) == EAGLE3_AUX_LAYERS:
+        return None
+    return (f"EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc projects {EAGLE3_AUX_LAYERS} x "
+            f"hidden); got {len(ids)} ids {ids}")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -40,9 +47,9 @@ class TargetConfig(Section):
     @field_validator("aux_layer_ids")
     @classmethod
     def _three_ids(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and len(ids) != EAGLE3_AUX_LAYERS:
-            raise ValueError(f"EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc projects "
-                             f"{EAGLE3_AUX_LAYERS} x hidden); got {len(ids)} ids")
+        problem = ids is not None and aux_count_problem(ids)
+        if problem:
+            raise ValueError(problem)
         return ids
 
 

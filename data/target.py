@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import EAGLE3_AUX_LAYERS
+from .config import aux_count_problem
 from .files import read_json
 
 
@@ -38,9 +38,8 @@ class TargetInfo:
         would serve on other layers than the drafter trains on are refused here, before any extraction."""
         ids = list(configured) if configured is not None else \
             [1, self.num_layers // 2 - 1, self.num_layers - 4]
-        if len(ids) != EAGLE3_AUX_LAYERS:
-            raise ValueError(f"target.aux_layer_ids: EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc "
-                             f"projects {EAGLE3_AUX_LAYERS} x hidden), got {len(ids)} ids {ids}")
+        if aux_count_problem(ids):
+            raise ValueError(f"target.aux_layer_ids: {aux_count_problem(ids)}")
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target.aux_layer_ids: {bad} outside 0..{self.num_layers - 1} for {self.path} "
