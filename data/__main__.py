@@ -1,5 +1,5 @@
 """`python -m data --config run.yaml [--data.key value ...]`: the data stage (see data/prepare.py)."""
-from .config import cli_config
+from .config import cli_config, stage_errors
 from .prepare import prepare
 
 
@@ -9,4 +9,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stage_errors("data"):
+        main()

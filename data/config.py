@@ -6,9 +6,11 @@ name the key. It lives in `data/` because every stage imports `data/` (data flow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -274,6 +276,19 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Eyrie
         return EyrieConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, path, overrides)) from None
+
+
+@contextlib.contextmanager
+def stage_errors(stage: str):
+    """Around a stage's work: the error that stops it (Eyrie's refusals name the key, file or sample) is printed as
+    one line, `[stage] error: ...`, above its traceback, where it is not lost among the launchers' tracebacks."""
+    try:
+        yield
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"[{stage}] error: {first}" + (" (more below)" if "\n" in str(e).strip() else ""),
+              file=sys.stderr, flush=True)
+        raise
 
 
 def cli_config(stage: str, description: str, argv: Sequence[str] | None = None,

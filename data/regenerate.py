@@ -266,4 +266,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .config import stage_errors
+    with stage_errors("regenerate"):
+        main()

@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node N -m extract --config run.yaml` (or plain `python -m extract ...`).
 
 Reads RUN_DIR/data/samples, writes RUN_DIR/features (see extract/job.py)."""
-from data.config import cli_config
+from data.config import cli_config, stage_errors
 
 from .job import run
 
@@ -12,4 +12,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stage_errors("extract"):
+        main()

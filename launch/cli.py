@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyrie: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     sys.argv[0] = f"eyrie {name}"  # argparse's prog in each command's usage line
-    result = importlib.import_module(COMMANDS[name][0]).main(rest)
+    from data.config import stage_errors
+    with stage_errors(name):
+        result = importlib.import_module(COMMANDS[name][0]).main(rest)
     return result if isinstance(result, int) else 0
 
 

@@ -230,4 +230,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from data.config import stage_errors
+    with stage_errors("evaluate"):
+        main()

@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from data.config import EyrieConfig, cli_config
+from data.config import EyrieConfig, cli_config, stage_errors
 from data.files import atomic_write_json
 from data.target import load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
@@ -202,4 +202,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stage_errors("train"):
+        main()

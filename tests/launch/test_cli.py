@@ -68,6 +68,31 @@ def test_check_names_every_problem_with_its_key_before_any_work(tiny_target, tmp
     assert not (tmp_path / "run" / "data").exists()
 
 
+def test_a_stage_that_stops_says_why_in_one_line_above_its_traceback(tmp_path):
+    (tmp_path / "run.yaml").write_text("run_dir: run\ntarget: {path: /nowhere}\ndata: {inputs: [x.jsonl]}\n")
+    out = subprocess.run([sys.executable, "-m", "extract", "--config", "run.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True)
+    line = "[extract] error: run/data/samples/manifest.json: no manifest (the dataset was never completed, or this " \
+           "is not a dataset)"
+    assert out.returncode == 1 and line in out.stderr
+    assert out.stderr.index(line) < out.stderr.index("Traceback")
+
+
+def test_the_pipeline_ends_a_failed_stage_with_its_cause_and_no_traceback_of_its_own(tiny_target, tmp_path):
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "content": "hello"}]}))
+    (tmp_path / "run.yaml").write_text(f"run_dir: run\ntarget: {{path: {tiny_target}, aux_layer_ids: [0, 1, 2]}}\n"
+                                       "data: {inputs: [chats.jsonl], draft_vocab_size: 16}\n")
+    out = subprocess.run([EYRIE, "run", "--config", "run.yaml", "--stages", "extract"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    tail = (out.stdout + out.stderr).strip().splitlines()[-2:]
+    assert out.returncode == 1 and tail[0] == (
+        "[pipeline] extract failed (exit 1): data.shards.ShardError: run/data/samples/manifest.json: no manifest "
+        "(the dataset was never completed, or this is not a dataset)"), tail
+    assert tail[1].startswith("[pipeline] the stage's output is above; to run it alone: ") and "-m extract" in tail[1]
+    assert "launch/pipeline.py" not in out.stderr  # no pipeline traceback on top of the stage's
+
+
 def test_a_failed_stage_is_one_line_naming_the_cause_not_the_launchers_traceback():
     torchrun = """[rank0]: Traceback (most recent call last):
 [rank0]:   File "extract/job.py", line 10, in run
