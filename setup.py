@@ -1,5 +1,5 @@
 """Eyrie: train EAGLE-3 drafters for large targets and hand SGLang a drafter it can serve."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # torch is pinned exactly on purpose: on the CPU machines `torch==2.13.0` resolves to a CPU wheel on
 # local disk, while any range admitting newer releases downloads multi-GB CUDA builds.
@@ -28,7 +28,7 @@ setup(
     description=__doc__,
     # 3.11: PYTHONSAFEPATH (the commands the pipeline starts never import from the working directory)
     python_requires=">=3.11",
-    packages=["data", "extract", "train", "serve", "launch"],
+    packages=find_packages(include=["data", "extract", "train", "train.*", "serve", "launch"]),
     package_data={"launch": ["configs/*.yaml"]},
     install_requires=CORE,
     entry_points={"console_scripts": ["eyrie = launch.cli:main"]},
