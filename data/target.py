@@ -38,8 +38,9 @@ class TargetInfo:
         would serve on other layers than the drafter trains on are refused here, before any extraction."""
         ids = list(configured) if configured is not None else \
             [1, self.num_layers // 2 - 1, self.num_layers - 4]
-        if aux_count_problem(ids):
-            raise ValueError(f"target.aux_layer_ids: {aux_count_problem(ids)}")
+        problem = aux_count_problem(ids)
+        if problem:
+            raise ValueError(f"target.aux_layer_ids: {problem}")
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target.aux_layer_ids: {bad} outside 0..{self.num_layers - 1} for {self.path} "

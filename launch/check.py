@@ -24,27 +24,37 @@ def problems(cfg: EyrieConfig, deepspeed_json: str | None = None) -> list[str]:
     except (FileNotFoundError, ValueError) as e:
         return [f"target.path: {e}; point it at a transformers model directory (config.json, safetensors, tokenizer)"]
     try:
-        ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
+        ids = info.aux_layer_ids(cfg.target.aux_layer_ids)  # its refusals name target.aux_layer_ids
     except ValueError as e:
-        found.append(f"{e}" if str(e).startswith("target.aux_layer_ids") else f"target.aux_layer_ids: {e}")
+        found.append(str(e))
         ids = None
     try:
         info.check_draft_vocab_size(cfg.data.draft_vocab_size)
     except ValueError as e:
         found.append(str(e))
+        ids = None  # the drafter's shape is checked only with valid ids and draft vocab
     found += tokenizer_problems(cfg)
     found += [f"data.inputs: {p} does not exist" for p in cfg.data.inputs if not Path(p).exists()]
-    if ids is not None and cfg.data.draft_vocab_size <= info.vocab_size:
+    if ids is not None:
         found += drafter_problems(cfg, info, ids)
     found += extract_problems(cfg)
     if cfg.train.warm_start and not (Path(cfg.train.warm_start) / "config.json").exists():
         found.append(f"train.warm_start: {cfg.train.warm_start} is not an exported drafter directory (no config.json)")
     if deepspeed_json:
         found += deepspeed_problems(cfg, deepspeed_json)
-    if cfg.launch.nnodes > 1 and not (cfg.launch.rdzv_endpoint and cfg.launch.hostfile):
-        found.append(f"launch.nnodes: {cfg.launch.nnodes} nodes need launch.rdzv_endpoint (HOST:PORT on the first "
-                     "node, for extraction) and launch.hostfile (DeepSpeed's, for training)")
-    return found
+    return found + [p for p in (launch_problem(cfg, "extract"), launch_problem(cfg, "train")) if p]
+
+
+def launch_problem(cfg: EyrieConfig, stage: str) -> str | None:
+    """What a stage needs to launch on several nodes (the pipeline refuses to build its command without it)."""
+    launch = cfg.launch
+    if launch.nnodes > 1 and stage == "extract" and not launch.rdzv_endpoint:
+        return (f"launch.nnodes is {launch.nnodes}: extraction needs launch.rdzv_endpoint (HOST:PORT on the first "
+                "node), and the extract stage run on every node")
+    if launch.nnodes > 1 and stage == "train" and not launch.hostfile:
+        return (f"launch.nnodes is {launch.nnodes}: training needs launch.hostfile (DeepSpeed launches every host "
+                "listed there from this node)")
+    return None
 
 
 def tokenizer_problems(cfg: EyrieConfig) -> list[str]:

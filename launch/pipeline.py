@@ -34,6 +34,7 @@ from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
 
 from . import stage_process
+from .check import launch_problem
 from .check import report as check_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,21 +151,18 @@ def free_port() -> int:
 def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[str]) -> list[list[str]]:
     """The commands a stage runs, in order (what a user would type to run it by hand)."""
     run, launch = cfg.layout, cfg.launch
+    problem = launch_problem(cfg, stage)
+    if problem:
+        raise ConfigError(problem)
     if stage == "extract":
         if launch.nnodes == 1:
             rendezvous = ["--standalone"]
-        elif not launch.rdzv_endpoint:
-            raise ConfigError(f"launch.nnodes is {launch.nnodes}: extraction needs launch.rdzv_endpoint "
-                              "(HOST:PORT on the first node), and the extract stage run on every node")
         else:
             rendezvous = ["--nnodes", str(launch.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                           launch.rdzv_endpoint, "--rdzv-id", "eyrie-" + fingerprints(cfg)["extract"]]
         return [[sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node",
                  str(cfg.extract.nproc_per_node), "-m", "extract", "--config", config, *overrides]]
     if stage == "train":
-        if launch.nnodes > 1 and not launch.hostfile:
-            raise ConfigError(f"launch.nnodes is {launch.nnodes}: training needs launch.hostfile (DeepSpeed "
-                              "launches every host listed there from this node)")
         found = Path(sys.executable).parent / "deepspeed"
         launcher = [str(found)] if found.exists() else [shutil.which("deepspeed")] if shutil.which("deepspeed") \
             else [sys.executable, "-m", "deepspeed.launcher.runner"]

@@ -21,8 +21,6 @@ TAIL_BYTES = 64 * 1024
 # the cause (torchrun's ChildFailedError, a CalledProcessError of deepspeed's runner)
 CAUSE = re.compile(r"^(?:[\w.]*(?:Error|Exception|Exit)(?<!ChildFailedError)(?<!CalledProcessError): .+|error: .+|"
                    r"\[\w+\] (?:refused|rank \d+|error): .+)$")
-
-
 RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's per-rank prefix
 
 
