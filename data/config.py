@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .layout import RunLayout
 
@@ -80,6 +80,9 @@ class DataConfig(Section):
     loss_on: Literal["all", "last"] = Field("all", description="assistant turns that carry loss")
     draft_vocab_size: int = Field(32000, ge=1, description="size of the drafter's output vocabulary")
     samples_per_shard: int = Field(1000, ge=1, description="samples per token shard")
+    heldout_fraction: float = Field(0.05, ge=0, lt=1, description="share of prompts held out for evaluation, by a hash "
+                                    "of the normalised first user turn (data/split.py); rows may also name a held-out "
+                                    "group (`\"heldout\": NAME`)")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
 
 
@@ -150,12 +153,19 @@ class TrainConfig(Section):
     recompute_logits: bool = Field(False, description="recompute the draft-vocab logits in backward instead of "
                                    "keeping their gradient (22% of a llama3-8b unroll's activations), for ~8% "
                                    "more step FLOPs")
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="samples held out for eval (by sample id)")
     eval_every: int = Field(200, ge=1, description="optimizer steps between evals (and at the end)")
     save_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept besides the best")
     log_every: int = Field(10, ge=1, description="optimizer steps between TensorBoard / log.jsonl entries")
     warm_start: str | None = Field(None, description="exported (SGLang-format) drafter dir to start from")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data):
+        if isinstance(data, dict) and "eval_fraction" in data:
+            raise ValueError("train.eval_fraction is now data.heldout_fraction: the data stage holds prompts out by "
+                             "their content (data/split.py), not samples by id")
+        return data
 
 
 class ServeConfig(Section):

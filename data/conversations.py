@@ -29,6 +29,7 @@ class MalformedSample(ValueError):
 class Conversation:
     id: str
     messages: list[dict[str, Any]]  # role, content, optional reasoning_content / tool_calls / name
+    heldout: str | None = None      # a held-out group named by the row: evaluated, never trained on (data/split.py)
 
 
 @dataclass
@@ -121,8 +122,11 @@ def normalize(row: Any, where: str) -> Conversation:
         raise MalformedSample(where, "no user turn", "no_user_turn")
     if not any(m["role"] == "assistant" for m in messages):
         raise MalformedSample(where, "no assistant turn", "no_assistant_turn")
+    heldout = row.get("heldout")
+    if heldout is not None and (not isinstance(heldout, str) or not heldout):
+        raise MalformedSample(where, "'heldout' must be a non-empty group name", "bad_row")
     sample_id = row.get("id", row.get("sample_id"))
-    return Conversation(id=str(sample_id) if sample_id is not None else where, messages=messages)
+    return Conversation(id=str(sample_id) if sample_id is not None else where, messages=messages, heldout=heldout)
 
 
 def _rows(path: Path) -> Iterator[tuple[str, Any]]:

@@ -5,6 +5,7 @@ path under RUN_DIR itself, and none imports another stage's module to learn one.
       data/regenerated.jsonl (+ .partial, .report.json)   the target's own answers (regenerate stage)
       data/samples/              token shards + manifest.json (data stage)
       data/draft_vocab.safetensors                         d2t, t2d, token counts (data stage)
+      data/split.json            the held-out split: rule, counts, overlap, held-out ids and prompts (data stage)
       features/                  aux hidden-state shards + manifest.json (extract stage)
       train/checkpoints/         DeepSpeed checkpoints, latest, best.json; train/drafter_config.json,
       train/log.jsonl, train/summary.json                  (train stage)
@@ -45,6 +46,10 @@ class RunLayout:
     @property
     def draft_vocab(self) -> Path:
         return self.data / "draft_vocab.safetensors"
+
+    @property
+    def split(self) -> Path:
+        return self.data / "split.json"
 
     @property
     def regenerated(self) -> Path:

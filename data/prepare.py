@@ -13,6 +13,7 @@ from .chat import ChatTokenizer
 from .config import EyrieConfig
 from .conversations import MalformedSample, SkipReport, load_conversations
 from .shards import ShardMeta, ShardWriter, write_manifest
+from .split import SplitRecord, plan_split, write_split
 from .target import load_target_info
 from .vocab import TokenCounter, save_draft_vocab
 
@@ -34,6 +35,10 @@ def prepare(cfg: EyrieConfig) -> dict:
         from .regenerate import run as regenerate
         regenerated = regenerate(cfg)
     inputs = [str(layout.regenerated)] if regenerated else cfg.data.inputs
+    # first pass: duplicates and the held-out prompts (a training conversation is checked against all of them)
+    plan = plan_split(tqdm(load_conversations(inputs, SkipReport(), cfg.data.skip_malformed), desc="split",
+                           unit="conv"), cfg.data.heldout_fraction)
+    split = SplitRecord(plan)
     report = SkipReport()
     counter = TokenCounter(info.vocab_size)
     meta = ShardMeta(kind="tokens", target_id=cfg.target.path, target_config_hash=info.config_hash)
@@ -41,6 +46,11 @@ def prepare(cfg: EyrieConfig) -> dict:
     writer: ShardWriter | None = None
     bar = tqdm(load_conversations(inputs, report, cfg.data.skip_malformed), desc="tokenize", unit="conv")
     for conv in bar:
+        excluded = plan.exclusion(conv)
+        if excluded:  # counted, never an error: deduplication and the split are the data stage's own choices
+            report.skip(excluded, conv.id)
+            split.excluded[excluded] += 1
+            continue
         try:
             sample = chat.fit(chat(conv), report)
         except MalformedSample as e:
@@ -53,6 +63,7 @@ def prepare(cfg: EyrieConfig) -> dict:
         if writer is None:
             writer = ShardWriter(samples / f"shard-{len(shards):05d}.arrow", meta)
         writer.write(sample.id, sample.input_ids, sample.loss_mask)
+        split.add(conv)
         counter.add(sample.input_ids, sample.loss_mask)
         if writer.rows >= cfg.data.samples_per_shard:
             shards.append(writer.close())
@@ -61,14 +72,21 @@ def prepare(cfg: EyrieConfig) -> dict:
         shards.append(writer.close())
     if not shards:
         raise RuntimeError(f"no usable samples in {inputs}: {report.summary()}")
+    split_json = write_split(layout.split, split)
     vocab = save_draft_vocab(layout.draft_vocab, counter.counts, cfg.data.draft_vocab_size)
+    split_summary = {k: v for k, v in split_json.items() if k != "heldout"}
     manifest = write_manifest(samples, meta, shards, report=report.to_json(), regenerate=regenerated, vocab=vocab,
+                              split=split_summary,
                               config=cfg.model_dump(mode="json"),
                               seconds=round(time.time() - start, 2))
     totals = manifest["totals"]
     print(f"data: {report.summary()}")
     for line in report.examples[:5]:
         print(f"  skipped {line}")
+    print(f"data: {split_summary['training_samples']} training / {split_summary['heldout_samples']} held-out samples "
+          f"({split_summary['heldout_prompts']} distinct held-out prompts, groups "
+          f"{ {g: v['samples'] for g, v in split_summary['groups'].items()} }), {split_summary['duplicates_dropped']} "
+          f"duplicates dropped, held-out overlap with training {split_summary['heldout_overlap_with_training']}")
     print(f"data: {totals['rows']} samples, {totals['tokens']} tokens ({totals['loss_tokens']} with loss), "
           f"draft vocab {vocab['draft_vocab_size']} covers {vocab['coverage']:.1%} of loss tokens → {layout.data}")
     return manifest

@@ -141,7 +141,7 @@ def regenerate_conversations(convs: list[Conversation], generate_batch: Callable
             if position[i] < len(conv.messages):
                 waiting.append(i)
         if not waiting:
-            return [(Conversation(c.id, h), t) for c, h, t in zip(convs, histories, truncated)]
+            return [(Conversation(c.id, h, c.heldout), t) for c, h, t in zip(convs, histories, truncated)]
         for i, reply in zip(waiting, generate_batch([list(histories[i]) for i in waiting]), strict=True):
             new = {"role": "assistant", "content": reply["content"]}
             if keep_reasoning and reply.get("reasoning_content"):
@@ -215,7 +215,7 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
                     report["error_examples"].append(f"{which}: {type(e).__name__}: {e}")
                 continue
             for new, truncated in results:
-                row = {"id": new.id, "messages": new.messages}
+                row = {"id": new.id, "messages": new.messages} | ({"heldout": new.heldout} if new.heldout else {})
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
                 done[new.id] = row
                 report["succeeded"] += 1

@@ -4,15 +4,19 @@ No model hub is reachable, so the run builds its own target, fresh on every mach
 released): a byte-level BPE tokenizer and a Llama trained on the Python standard library's sources plus
 generated dialogues whose answers have structure (the demo's tasks, and code tasks answered with the
 standard library's own functions), until its greedy answers follow them. It also writes the prompts the
-drafter's data is made from: other instances of the same tasks (the target answers them itself in the
-pipeline's regenerate stage).
+drafter's data is made from (the target answers them itself in the pipeline's regenerate stage): --prompts
+distinct prompts of the same tasks drawn from a pool disjoint from the target's dialogues (`side_of`), so no
+held-out prompt occurs in the target's training corpus either, and --unseen-prompts of task families no training
+data has, marked as the held-out group `unseen-families` (the out-of-distribution figure). OUT/prompts.json
+counts them and their overlap with the target's dialogues (0).
 
     python -m launch.mission_target --out runs/mission/assets [--minutes 7] [--steps 1500] [--size 110m|tiny]
 
 Training stops at --minutes of wall time or --steps, whichever comes first, saves every --save-minutes and
 resumes from the last save when run again (model and AdamW state in safetensors, the step in JSON), so a
 run cut short by a command's time limit continues where it stopped. Writes OUT/target (a transformers
-directory: config, safetensors, tokenizer, chat template), OUT/conversations.jsonl and OUT/target/training.json
+directory: config, safetensors, tokenizer, chat template), OUT/conversations.jsonl, OUT/prompts.json and
+OUT/target/training.json
 (losses, tokens/s, model TFLOP/s, greedy samples).
 """
 from __future__ import annotations
@@ -29,7 +33,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+import xxhash
+
 from data.files import atomic_write_json
+from data.split import normalise
 
 from .demo_target import _task, build_tokenizer
 
@@ -78,24 +85,87 @@ def stdlib_sources(max_bytes: int) -> list[str]:
     return texts
 
 
-def make_dialogues(n: int, functions: list[tuple[str, str, str]], seed: int) -> list[dict]:
-    """Chat conversations: half the demo's templated tasks, half code tasks answered with stdlib source."""
+ASKS = ["Show me the function {name} from the Python module {module}.", "How is {module}.{name} implemented?",
+        "Write the source code of {name} in {module}.", "Print the implementation of {module}.{name}.",
+        "What does the code of {name} in the {module} module look like?", "Give me {module}.{name}'s source."]
+# Task families that neither the target's dialogues nor the drafter's training data contain: the drafter's
+# out-of-distribution held-out group (the target answers them as best it can; its answers are what is drafted)
+UNSEEN_FAMILIES = "unseen-families"
+
+
+def _unseen_task(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        a, b = rng.randrange(100), rng.randrange(100)
+        return f"What is {a} minus {b}?", f"The difference of {a} and {b} is {a - b}."
+    xs = [rng.randrange(50) for _ in range(rng.randrange(3, 6))]
+    return (f"What is the smallest of {', '.join(map(str, xs))}?",
+            f"The smallest number in the list {', '.join(map(str, xs))} is {min(xs)}.")
+
+
+def side_of(item: str) -> str:
+    """Which of the two disjoint prompt pools an item belongs to: the target's own training dialogues or the
+    prompts the drafter's data is made from. An item is a stdlib function (all its wordings on one side) or a
+    task's normalised question, so no drafter prompt, held out or not, occurs in the target's training corpus."""
+    return "drafter" if xxhash.xxh64_intdigest(item.encode(), seed=17) % 2 else "target"
+
+
+def make_dialogues(n: int, functions: list[tuple[str, str, str]], seed: int, side: str,
+                   distinct: bool = False) -> list[dict]:
+    """Chat conversations of one pool: half the demo's templated tasks, half code tasks answered with stdlib
+    source, as far as the pool has them (with `distinct`, each prompt once: the pool runs out of code prompts
+    first). Stops at n or when 50 n draws found nothing new."""
     rng = random.Random(seed)
-    convs = []
-    for i in range(n):
-        messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []
+    convs, seen = [], set()
+    for _ in range(50 * n):
+        if len(convs) == n:
+            break
+        system = rng.random() < 0.3
         if functions and rng.random() < 0.5:
             module, name, source = rng.choice(functions)
-            ask = rng.choice([f"Show me the function {name} from the Python module {module}.",
-                              f"How is {module}.{name} implemented?",
-                              f"Write the source code of {name} in {module}."])
-            messages += [{"role": "user", "content": ask},
-                         {"role": "assistant", "content": f"Here is `{module}.{name}`:\n```python\n{source}\n```"}]
+            item = f"{module}.{name}"
+            q = rng.choice(ASKS).format(module=module, name=name)
+            a = f"Here is `{module}.{name}`:\n```python\n{source}\n```"
         else:
             q, a = _task(rng)
-            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        convs.append({"id": f"mission-{seed}-{i:06d}", "messages": messages})
+            item = normalise(q)
+        if side_of(item) != side or (distinct and normalise(q) in seen):
+            continue
+        seen.add(normalise(q))
+        messages = [{"role": "system", "content": SYSTEM}] if system else []
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        convs.append({"id": f"mission-{side}-{seed}-{len(convs):06d}", "messages": messages})
     return convs
+
+
+def unseen_family_prompts(n: int, seed: int) -> list[dict]:
+    """Distinct prompts of the task families no training data has, marked as the held-out group `unseen-families`."""
+    rng, out, seen = random.Random(seed), [], set()
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
+        q, a = _unseen_task(rng)
+        if normalise(q) not in seen:
+            seen.add(normalise(q))
+            out.append({"id": f"mission-unseen-{len(out):05d}", "heldout": UNSEEN_FAMILIES,
+                        "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+    return out
+
+
+def prompt_report(dialogues: list[dict], drafter_convs: list[dict]) -> dict:
+    """How the drafter's prompts relate to the target's training dialogues (written beside the prompts)."""
+    def prompt(c: dict) -> str:
+        return normalise(next(m["content"] for m in c["messages"] if m["role"] == "user"))
+    target_prompts = {prompt(c) for c in dialogues}
+    drafter_prompts = [prompt(c) for c in drafter_convs]
+    groups: dict[str, int] = {}
+    for c in drafter_convs:
+        groups[c.get("heldout", "pool")] = groups.get(c.get("heldout", "pool"), 0) + 1
+    return {"rule": "prompt pools split by xxh64(item) % 2, item = stdlib function or normalised question; "
+                    f"the '{UNSEEN_FAMILIES}' rows are task families (subtraction, smallest-of) absent from both",
+            "drafter_rows": len(drafter_convs), "drafter_distinct_prompts": len(set(drafter_prompts)),
+            "rows_by_group": groups, "target_dialogues": len(dialogues),
+            "target_distinct_prompts": len(target_prompts),
+            "drafter_prompts_in_target_dialogues": sum(p in target_prompts for p in drafter_prompts)}
 
 
 def token_stream(tok, texts: list[str], dialogues: list[dict]) -> np.ndarray:
@@ -243,7 +313,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stop-at", type=int, default=None, help="end this invocation at this step, as if its time ran out")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--prompts", type=int, default=12000, help="conversations written for the drafter's data")
+    p.add_argument("--prompts", type=int, default=12000, help="distinct prompts written for the drafter's data")
+    p.add_argument("--unseen-prompts", type=int, default=256,
+                   help="prompts of task families absent from all training data (held-out group 'unseen-families')")
     p.add_argument("--corpus-mb", type=float, default=40.0, help="stdlib source text in the training corpus")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -259,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     functions = stdlib_functions()
     sources = stdlib_sources(int(a.corpus_mb * 1e6))
-    dialogues = make_dialogues(max(2000, a.prompts * 2), functions, a.seed + 1)
+    dialogues = make_dialogues(max(2000, a.prompts * 2), functions, a.seed + 1, side="target")
     if not (target / "tokenizer.json").exists():
         sample = sources[: max(1, len(sources) // 4)] + [m["content"] for c in dialogues[:5000] for m in c["messages"]]
         build_tokenizer(sample, target, vocab_size=size["vocab"])
@@ -267,8 +339,12 @@ def main(argv: list[str] | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = out / "conversations.jsonl"
     if not prompts.exists():
+        drafter_convs = make_dialogues(a.prompts, functions, a.seed + 2, side="drafter", distinct=True) + \
+            unseen_family_prompts(a.unseen_prompts, a.seed + 3)
+        atomic_write_json(out / "prompts.json", prompt_report(dialogues, drafter_convs))
         with open(prompts, "w") as fh:
-            fh.writelines(json.dumps(c) + "\n" for c in make_dialogues(a.prompts, functions, a.seed + 2))
+            fh.writelines(json.dumps(c) + "\n" for c in drafter_convs)
+    print(f"[mission_target] drafter prompts: {json.loads((out / 'prompts.json').read_text())}", flush=True)
     cached = out / "corpus-tokens.npy"  # a plain int32 array (np.save, no pickle): tokenized once per machine
     if cached.exists():
         stream = np.load(cached, allow_pickle=False)

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 from data.config import ConfigError, EyrieConfig, load_config
 from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
+from data.split import SAMPLED_GROUP
 
 from . import stage_process
 from .check import launch_problem
@@ -56,8 +57,9 @@ SECTIONS = {"regenerate": ("target", "data"), "data": ("target", "data"), "extra
             "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (),
             "smoke": ("serve",)}
 # Bumped when a stage's output gains fields that later stages or the report read (evaluate 2: the same prompts
-# decoded offline): a run made before re-runs that stage and the ones after it instead of failing on the old file
-OUTPUT_VERSION = {"evaluate": 2}
+# decoded offline; data 2: split.json, evaluate 3: figures per held-out group; smoke 2: repeated timings): a run
+# made before re-runs that stage and the ones after it instead of failing on the old file
+OUTPUT_VERSION = {"data": 2, "evaluate": 3, "smoke": 2}
 
 
 def _external_inputs(cfg: EyrieConfig, stage: str) -> list[str]:
@@ -246,21 +248,33 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run.drafter), str(run.untrained_drafter)
         decoded, offline = ev["decode"], ev["drafters"][trained]
+        chain = f"chain {DECODE_STEPS} steps / top-k 1 / {DECODE_STEPS + 1} draft tokens, greedy"
+        by_group = {g: {"prompts": len(decoded[trained][g]["prompts"]),
+                        "completion_tokens": decoded[trained][g]["completion_tokens"],
+                        "reference_decoder": decoded[trained][g]["accept_length"],
+                        "reference_decoder_untrained": decoded[untrained][g]["accept_length"],
+                        "offline_same_prompts": offline[g]["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
+                        "offline_tau_by_steps": [round(x, 3) for x in offline[g]["accept_length_by_steps"]],
+                        "offline_alpha_by_position": [round(x, 3) for x in offline[g]["alpha_by_position"]],
+                        "heldout_samples": ev["groups"][g]["samples"], "heldout_tokens": ev["groups"][g]["tokens"]}
+                    for g in ev["groups"]}
+        primary = by_group.get(SAMPLED_GROUP) or next(iter(by_group.values()))
         report |= {
             "drafter_dir": trained,
-            "accept_length": decoded[trained]["accept_length"],
-            "accept_length_untrained": decoded[untrained]["accept_length"],
-            "lossless": decoded[trained]["identical_to_greedy"] and decoded[untrained]["identical_to_greedy"],
-            "offline_accept_length": offline["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
-            "accept_length_formula": f"reference decoder, chain {DECODE_STEPS} steps / top-k 1 / "
-                                     f"{DECODE_STEPS + 1} draft tokens, greedy, {len(decoded[trained]['prompts'])} "
-                                     "held-out prompts: completion tokens / target verify steps (SGLang's "
-                                     "spec_accept_length); offline: the same prompts' stored answers decoded on "
-                                     "their features (serve.evaluate's 'prompts'); tau: mean over held-out positions",
-            "offline_tau_by_steps": [round(x, 3) for x in offline["accept_length_by_steps"]],
-            "offline_decoded_accept_length_by_steps": [round(x, 3) for x in offline["decoded_accept_length_by_steps"]],
-            "offline_alpha_by_position": [round(x, 3) for x in offline["alpha_by_position"]],
-            "speedup_wall_clock": {"value": decoded[trained]["speedup_wall_clock"], "device": decoded[trained]["device"]}}
+            "heldout": {"rule": ev["split_rule"], "groups": ev["groups"],
+                        "heldout_overlap_with_training": ev["heldout_overlap_with_training"]},
+            "accept_length": primary["reference_decoder"],
+            "accept_length_untrained": primary["reference_decoder_untrained"],
+            "offline_accept_length": primary["offline_same_prompts"],
+            "accept_length_by_group": by_group,
+            "lossless": all(decoded[d][g]["identical_to_greedy"] for d in (trained, untrained) for g in by_group),
+            "accept_length_formula": f"completion tokens / target verify steps (SGLang's spec_accept_length). "
+                                     f"accept_length: reference decoder, {chain}, on the '{SAMPLED_GROUP}' held-out "
+                                     "group's first prompts; offline: the same prompts' stored answers decoded on "
+                                     f"their features, {chain}; tau: mean over every held-out position, "
+                                     f"{cfg.train.ttt_steps} steps",
+            "speedup_wall_clock": {"value": decoded[trained][next(iter(by_group))]["speedup_wall_clock"],
+                                   "device": decoded[trained][next(iter(by_group))]["device"]}}
     if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
         report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
@@ -325,6 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[pipeline] accept length {report['accept_length']:.2f} (untrained drafter "
               f"{report['accept_length_untrained']:.2f}; offline {report['offline_accept_length']:.2f}), "
               f"lossless: {report['lossless']}; drafter: {report['drafter_dir']}")
+        print(f"[pipeline] reference decoder, chain {DECODE_STEPS} steps / top-k 1, by held-out group: " + "; ".join(
+            f"{g} {v['reference_decoder']:.2f} ({v['prompts']} prompts, {v['completion_tokens']} tokens)"
+            for g, v in report["accept_length_by_group"].items())
+            + f"; held-out overlap with training {report['heldout']['heldout_overlap_with_training']}")
     return report
 
 

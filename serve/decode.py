@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from data.split import first_turn
 from data.target import AuxCapture, load_causal_lm
 from train.drafter import KVCache
 
@@ -141,6 +142,7 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
         base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
         gen, calls = gen + len(spec.tokens), calls + spec.verify_calls
     return {"target": target_path, "drafter": drafter_dir, "steps": steps, "device": str(dev),
+            "chain": f"reference decoder, {steps} steps / top-k 1 / {steps + 1} draft tokens",
             "identical_to_greedy": all(r["identical"] for r in rows), "completion_tokens": gen,
             "verify_calls": calls, "accept_length": gen / max(calls, 1),
             "accept_length_formula": "completion tokens / target verify calls (SGLang's spec_accept_length)",
@@ -150,16 +152,6 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
 def read_prompts(path: str | Path) -> list[list[dict]]:
     """A JSONL of conversations ({'messages': [...]}), each cut to its first user turn."""
     return [first_turn(json.loads(line)["messages"]) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def first_turn(messages: list[dict]) -> list[dict]:
-    """The conversation up to and including its first user message (system prompt kept)."""
-    out = []
-    for m in messages:
-        out.append({"role": m["role"], "content": m["content"]})
-        if m["role"] == "user":
-            break
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -3,7 +3,10 @@
     python -m serve.evaluate --drafter DIR [--drafter DIR2 ...] --run RUN_DIR [--split eval|all]
                              [--steps 7] [--draft-cost 0.05] [--out REPORT_DIR]
 
-For every position of the chosen samples the drafter drafts a chain of `--steps` tokens from the target's
+The samples are the run's held-out groups (RUN_DIR/data/split.json, data/split.py: prompts split by their content,
+"sampled" by the prompt hash and any group the rows name), each reported on its own; the stage refuses when a
+held-out prompt occurs in the training data or the drafter was trained with another split. For every position of
+the chosen samples the drafter drafts a chain of `--steps` tokens from the target's
 stored states (teacher forcing: exact when the data are the target's own greedy outputs, as with
 `data.regenerate`); draft j is accepted while drafts 0..j all equal the target's argmax. Reported per drafter:
 
@@ -13,7 +16,7 @@ stored states (teacher forcing: exact when the data are the target's own greedy 
 - expected speedup(k) = tau(k) / (1 + k * c), c = one draft step's cost relative to a target verify step
   (`--draft-cost`; ~0.02-0.05 for a one-layer drafter on a large target)
 
-Writes REPORT_DIR/evaluate.json and acceptance.png (one line per drafter).
+Writes REPORT_DIR/evaluate.json and acceptance.png (one line per drafter and group).
 """
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ import torch
 from data.batching import length_grouped_batches
 from data.layout import RunLayout, write_scalars
 from data.shards import read_manifest
+from data.split import HeldOutLeak, check_no_overlap, heldout_ids, read_split, split_digest
 from data.target import load_target_info
 from train.drafter import Eagle3Drafter
 from train.loader import FeatureData
-from train.teacher import Teacher
 from train.metrics import score
+from train.teacher import Teacher
 
 from .drafter_dir import DrafterDirError, load_drafter
 
@@ -95,30 +99,39 @@ def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int
 
 
 def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,
-             draft_cost: float = 0.05, max_batch_tokens: int = 8192, eval_fraction: float | None = None,
-             prompts: int = 16, max_new: int = 64) -> dict:
+             draft_cost: float = 0.05, max_batch_tokens: int = 8192, prompts: int = 16, max_new: int = 64) -> dict:
+    """Offline acceptance of each drafter on each held-out group (`split="eval"`, RUN_DIR/data/split.json) or on
+    every sample (`split="all"`, group "all": training samples included, so not a held-out figure)."""
     layout = RunLayout(run_dir)
     features = read_manifest(layout.features)
-    config = json.loads(layout.train_summary.read_text())["config"] if layout.train_summary.exists() else None
     target = features["meta"]["target_id"]
-    fraction = eval_fraction if eval_fraction is not None else (config["train"]["eval_fraction"] if config else 0.05)
-    data = FeatureData(layout.features, fraction, max_batch_tokens, seed=0, rank=0, world=1)
-    picked = data.eval_idx if split == "eval" else np.arange(len(data.ds))
-    row_of = {data.sample_ids[i]: int(i) for i in picked}
-    prompt_rows = [row_of[c] for c, _ in held_out_conversations(run_dir, prompts) if c in row_of] if config else []
-    batches = length_grouped_batches(data.lengths, picked, max_batch_tokens, None)
+    record = heldout_record(layout) if split == "eval" else read_split(layout.split)
+    data = FeatureData(layout.features, heldout_ids(record), max_batch_tokens, seed=0, rank=0, world=1)
+    row_of = {s: i for i, s in enumerate(data.sample_ids)}
+    if split == "eval":
+        group_rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
+                      for g in record["groups"]}
+        group_prompts = {g: [row_of[i] for i, _ in heldout_prompts(run_dir, g, prompts) if i in row_of]
+                         for g in record["groups"]}
+    else:
+        group_rows, group_prompts = {"all": list(range(len(data.ds)))}, {"all": []}
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = load_target_info(target)
-    report = {"features": str(layout.features), "target": target, "split": split, "samples": int(len(picked)), "steps": steps,
-              "draft_cost": draft_cost, "formulas": {
+    report = {"features": str(layout.features), "target": target, "split": split, "steps": steps,
+              "draft_cost": draft_cost, "chain": chain_label(steps, source="offline"),
+              "split_rule": record["rule"], "heldout_overlap_with_training": record["heldout_overlap_with_training"],
+              "groups": {g: {"samples": len(rows), "tokens": int(data.lengths[rows].sum()) if rows else 0,
+                             "prompts": (record["groups"].get(g, {}).get("prompts") if split == "eval" else None)}
+                         for g, rows in group_rows.items()},
+              "formulas": {
                   "alpha_j": "P(draft j accepted | drafts < j accepted)",
                   "accept_length(k)": "1 + sum_{j<k} P(drafts 0..j accepted) = tokens per target verify step",
                   "speedup(k)": "accept_length(k) / (1 + k * draft_cost)",
                   "decoded_accept_length(k)": "completion tokens / verify steps decoding each answer from its "
                                               "first token, each verify emitting the drafts its chain got right + 1",
-                  "prompts": f"the first {prompts} held-out prompts' first answers, cut at {max_new} tokens: "
-                             "the prompts serve.decode and serve.smoke decode"}, "drafters": {}}
+                  "prompts": f"the first {prompts} held-out prompts of each group, first answers cut at {max_new} "
+                             "tokens: the prompts serve.decode and serve.smoke decode"}, "drafters": {}}
     for path in drafters:
         model = load_drafter(path, target, device, dtype)
         ids = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
@@ -127,50 +140,73 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
                                   f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
         teacher = Teacher.from_target(target, info.text_config, features["meta"]["final_hidden"], model.t2d, device,
                                       dtype)
-        result = acceptance(model, data, batches, teacher, steps, device, dtype, prompt_rows, max_new)
-        result["speedup_by_steps"] = [t / (1 + (k + 1) * draft_cost)
-                                      for k, t in enumerate(result["accept_length_by_steps"])]
-        report["drafters"][str(path)] = result
+        by_group = {}
+        for group, rows in group_rows.items():
+            if not rows:
+                continue
+            batches = length_grouped_batches(data.lengths, np.array(rows), max_batch_tokens, None)
+            result = acceptance(model, data, batches, teacher, steps, device, dtype, group_prompts[group], max_new)
+            result["speedup_by_steps"] = [t / (1 + (k + 1) * draft_cost)
+                                          for k, t in enumerate(result["accept_length_by_steps"])]
+            by_group[group] = result
+        report["drafters"][str(path)] = by_group
     return report
 
 
-def held_out_conversations(run_dir: str | Path, n: int) -> list[tuple[str, list[dict]]]:
-    """(id, first user turn) of up to n conversations the drafter did not train on (the eval split's ids)."""
-    from data.conversations import SkipReport, load_conversations
-    from train.loader import held_out
+def chain_label(steps: int, source: str, topk: int = 1) -> str:
+    """How every accept length is labelled: its chain and who measured it."""
+    draft_tokens = steps + 1 if topk == 1 else None
+    return f"{source}, {steps} steps / top-k {topk}" + (f" / {draft_tokens} draft tokens" if draft_tokens else "")
 
-    from .decode import first_turn
-    config = json.loads(RunLayout(run_dir).train_summary.read_text())["config"]
-    out = []
-    for conv in load_conversations(config["data"]["inputs"], SkipReport(), skip_malformed=True):
-        if len(out) == n:
-            break
-        if held_out(conv.id, config["train"]["eval_fraction"]):
-            out.append((conv.id, first_turn(conv.messages)))
+
+def heldout_record(layout: RunLayout) -> dict:
+    """The run's split, checked: no held-out prompt in the training data, and the drafter trained on this split."""
+    record = read_split(layout.split)
+    check_no_overlap(record, str(layout.split))
+    if layout.train_summary.exists():
+        trained = json.loads(layout.train_summary.read_text()).get("split", {})
+        if trained.get("digest") != split_digest(record):
+            raise HeldOutLeak(f"{layout.train_summary} was trained with another held-out split than {layout.split} "
+                              "(the data stage ran again after training): train again before evaluating")
+    return record
+
+
+def heldout_prompts(run_dir: str | Path, group: str, n: int) -> list[tuple[str, list[dict]]]:
+    """(sample id, prompt up to its first user turn) of the first n held-out samples of a group, in data order,
+    distinct prompts only: what serve.decode and serve.smoke decode."""
+    record = read_split(RunLayout(run_dir).split)
+    out, seen = [], set()
+    for row in record["heldout"]:
+        key = json.dumps(row["prompt"])
+        if row["group"] == group and key not in seen and len(out) < n:
+            seen.add(key)
+            out.append((row["id"], row["prompt"]))
     return out
 
 
-def held_out_prompts(run_dir: str | Path, n: int) -> list[list[dict]]:
-    """First user turns of up to n conversations the drafter did not train on: the prompts serve.decode and
-    serve.smoke decode."""
-    return [messages for _, messages in held_out_conversations(run_dir, n)]
+def heldout_groups(run_dir: str | Path) -> list[str]:
+    return list(read_split(RunLayout(run_dir).split)["groups"])
 
 
 def print_table(report: dict) -> None:
     names = list(report["drafters"])
-    print(f"{report['samples']} samples ({report['split']}), chain drafting, top-k 1; accept = tau(k) over "
-          f"positions, decoded = walked answer by answer, prompts = decoded on {report['formulas']['prompts']}; "
+    print(f"offline evaluator ({report['chain'].split(',')[0]}), chain drafting, top-k 1; accept = tau(k) over "
+          f"positions, decoded = walked answer by answer, prompts = {report['formulas']['prompts']}; "
           f"speedup = accept / (1 + steps x {report['draft_cost']})")
-    print(f"{'steps':>5} " + " ".join(f"{'alpha':>7} {'accept':>7} {'decoded':>7} {'prompts':>7} {'speedup':>7}"
-                                      for _ in names))
-    for k in range(report["steps"]):
-        cells = []
-        for n in names:
-            r = report["drafters"][n]
-            cells.append(f"{r['alpha_by_position'][k]:7.3f} {r['accept_length_by_steps'][k]:7.3f} "
-                         f"{r['decoded_accept_length_by_steps'][k]:7.3f} "
-                         f"{r['prompts']['decoded_accept_length_by_steps'][k]:7.3f} {r['speedup_by_steps'][k]:7.3f}")
-        print(f"{k + 1:>5} " + " ".join(cells))
+    for group, sizes in report["groups"].items():
+        print(f"group {group!r}: {sizes['samples']} samples, {sizes['tokens']} tokens"
+              + (f", {sizes['prompts']} distinct prompts" if sizes.get("prompts") is not None else ""))
+        print(f"{'steps':>5} " + " ".join(f"{'alpha':>7} {'accept':>7} {'decoded':>7} {'prompts':>7} {'speedup':>7}"
+                                          for _ in names))
+        for k in range(report["steps"]):
+            cells = []
+            for n in names:
+                r = report["drafters"][n].get(group)
+                cells.append(f"{r['alpha_by_position'][k]:7.3f} {r['accept_length_by_steps'][k]:7.3f} "
+                             f"{r['decoded_accept_length_by_steps'][k]:7.3f} "
+                             f"{r['prompts']['decoded_accept_length_by_steps'][k]:7.3f} "
+                             f"{r['speedup_by_steps'][k]:7.3f}" if r else f"{'-':>39}")
+            print(f"{k + 1:>5} " + " ".join(cells))
     for i, n in enumerate(names):
         print(f"  drafter {i + 1}: {n}")
 
@@ -180,12 +216,13 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in report["drafters"].items():
-        ax.plot(range(1, report["steps"] + 1), r["alpha_by_position"], marker="o",
-                label=f"{Path(name).name} (accept length {r['accept_length_by_steps'][-1]:.2f})")
+    for name, groups in report["drafters"].items():
+        for group, r in groups.items():
+            ax.plot(range(1, report["steps"] + 1), r["alpha_by_position"], marker="o",
+                    label=f"{Path(name).name}, {group} (accept length {r['accept_length_by_steps'][-1]:.2f})")
     ax.set(xlabel="draft position j", ylabel="P(accepted | earlier accepted)", ylim=(0, 1),
            title="acceptance by position (offline)")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -195,36 +232,44 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", action="append", required=True, help="an exported drafter dir (repeat to compare)")
     p.add_argument("--run", required=True, help="RUN_DIR whose features/ to evaluate on")
-    p.add_argument("--split", choices=["eval", "all"], default="eval", help="held-out samples (default) or all")
+    p.add_argument("--split", choices=["eval", "all"], default="eval",
+                   help="held-out groups (default) or every sample (training samples too: not a held-out figure)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--draft-cost", type=float, default=0.05)
     p.add_argument("--out", default=None, help="report dir (default RUN_DIR/evaluate)")
     p.add_argument("--decode", type=int, default=0, metavar="N",
-                   help="also run the reference speculative decoder (serve.decode) on N held-out prompts")
+                   help="also run the reference speculative decoder (serve.decode) on N held-out prompts per group")
     p.add_argument("--decode-steps", type=int, default=3)
     a = p.parse_args(argv)
     report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost, prompts=a.decode or 16)
     out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)
-    if a.decode:
+    if a.decode and a.split == "eval":
         from .decode import run as decode
-        report["decode"] = {d: decode(report["target"], d, held_out_prompts(a.run, a.decode), a.decode_steps)
-                            for d in a.drafter}
+        report["decode"] = {d: {g: decode(report["target"], d, [m for _, m in heldout_prompts(a.run, g, a.decode)],
+                                          a.decode_steps) for g in report["groups"]} for d in a.drafter}
     (out / "evaluate.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "acceptance.png")
     scalars: dict[int, dict[str, float]] = {}  # x axis: draft steps k
-    for name, r in report["drafters"].items():
-        for k in range(report["steps"]):
-            scalars.setdefault(k + 1, {}).update({f"{Path(name).name}/alpha": r["alpha_by_position"][k],
-                                                  f"{Path(name).name}/accept_length": r["accept_length_by_steps"][k]})
-    for name, d in report.get("decode", {}).items():
-        scalars.setdefault(d["steps"], {})[f"{Path(name).name}/reference_decoder_accept_length"] = d["accept_length"]
+    for name, groups in report["drafters"].items():
+        for group, r in groups.items():
+            for k in range(report["steps"]):
+                scalars.setdefault(k + 1, {}).update({
+                    f"{Path(name).name}/{group}/alpha": r["alpha_by_position"][k],
+                    f"{Path(name).name}/{group}/offline_accept_length": r["accept_length_by_steps"][k]})
+    for name, groups in report.get("decode", {}).items():
+        for group, d in groups.items():
+            scalars.setdefault(d["steps"], {})[f"{Path(name).name}/{group}/reference_decoder_accept_length"] = \
+                d["accept_length"]
     write_scalars(a.run, "evaluate", scalars)
     print_table(report)
-    for name, d in report.get("decode", {}).items():
-        print(f"reference decoder, {name}: accept length {d['accept_length']:.3f} ({d['accept_length_formula']}) "
-              f"over {len(d['prompts'])} prompts, {d['steps']} steps; output identical to greedy: "
-              f"{d['identical_to_greedy']}; wall-clock speedup {d['speedup_wall_clock']:.2f}x on {d['device']}")
+    for name, groups in report.get("decode", {}).items():
+        for group, d in groups.items():
+            print(f"reference decoder ({chain_label(d['steps'], 'reference decoder')}), {name}, group {group!r}: "
+                  f"accept length {d['accept_length']:.3f} ({d['accept_length_formula']}) over {len(d['prompts'])} "
+                  f"prompts, {d['completion_tokens']} tokens; output identical to greedy: {d['identical_to_greedy']}; "
+                  f"wall-clock speedup {d['speedup_wall_clock']:.2f}x on {d['device']}")
+    print(f"held-out split: {report['split_rule']}; overlap with training {report['heldout_overlap_with_training']}")
     print(f"report: {out / 'evaluate.json'}, plot: {out / 'acceptance.png'}")
     return report
 

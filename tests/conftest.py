@@ -67,7 +67,8 @@ def features_run(make_tokenizer, tmp_path_factory):
     convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(160, seed=3)))
     raw = {"run_dir": str(root / "run"), "seed": 0,
            "target": {"path": str(target), "aux_layer_ids": [0, 1, 2]},
-           "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 128, "samples_per_shard": 50},
+           "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 128, "samples_per_shard": 50,
+                    "heldout_fraction": 0.1},
            "extract": {"samples_per_shard": 50},
            "train": TRAIN}
     config = root / "run.yaml"

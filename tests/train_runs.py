@@ -13,7 +13,7 @@ from launch.pipeline import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
-TRAIN = {"ttt_steps": 3, "max_batch_tokens": 1024, "eval_fraction": 0.1, "log_every": 1, "eval_every": 4,
+TRAIN = {"ttt_steps": 3, "max_batch_tokens": 1024, "log_every": 1, "eval_every": 4,
          "save_every": 4, "keep_last": 2, "max_steps": 12, "optim": {"lr": 1e-2, "warmup_steps": 2}}
 
 
@@ -61,7 +61,7 @@ def demo_config(name: str, assets: Path, run_dir: Path) -> dict:
     config["run_dir"] = str(run_dir)
     config["target"]["path"] = str(assets / "target")
     config["data"]["inputs"] = [str(assets / "conversations.jsonl")]
-    config["train"] |= {"eval_fraction": 0.1}
+    config["data"] |= {"heldout_fraction": 0.1}
     return config
 
 

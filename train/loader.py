@@ -1,4 +1,4 @@
-"""Batches over the feature shards: held-out split, length-grouped token-budget batches, a seeded order
+"""Batches over the feature shards: the data stage's held-out split (data/split.py), length-grouped token-budget batches, a seeded order
 that depends only on (seed, epoch) so a resumed run sees the same batches, and a prefetch thread.
 
 Every rank builds the same plan and takes every world-th batch (the tail that does not divide evenly is
@@ -15,7 +15,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import xxhash
 
 from data.batching import length_grouped_batches
 from data.shards import ShardDataset
@@ -44,18 +43,14 @@ class Batch:
                      self.final_hidden.to(device, non_blocking=nb).to(dtype), self.lengths.to(device))
 
 
-def held_out(sample_id: str, fraction: float) -> bool:
-    """Stable eval membership: depends on the sample id only, not on shard layout or rank count."""
-    return xxhash.xxh64_intdigest(sample_id.encode()) < fraction * 2 ** 64
-
-
 class FeatureData:
-    def __init__(self, directory, eval_fraction: float, max_tokens: int, seed: int, rank: int, world: int):
+    def __init__(self, directory, heldout_ids: set[str], max_tokens: int, seed: int, rank: int, world: int):
+        """`heldout_ids`: the samples the data stage held out (RUN_DIR/data/split.json), never trained on."""
         self.ds = ShardDataset(directory)
         self.meta = self.ds.meta
         self.lengths = self.ds.lengths()
         self.sample_ids = [self.ds[i].sample_id for i in range(len(self.ds))]
-        is_eval = np.array([held_out(s, eval_fraction) for s in self.sample_ids], dtype=bool)
+        is_eval = np.array([s in heldout_ids for s in self.sample_ids], dtype=bool)
         self.train_idx, self.eval_idx = np.nonzero(~is_eval)[0], np.nonzero(is_eval)[0]
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
         if self.micro_batches_per_epoch() == 0:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from data.config import EyrieConfig, cli_config, stage_errors
 from data.files import atomic_write_json
+from data.split import heldout_ids, read_split, split_digest
 from data.target import load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
 from train.drafter import Eagle3Drafter, drafter_config
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     layout = cfg.layout
     tc = cfg.train
 
-    data = FeatureData(layout.features, tc.eval_fraction, tc.max_batch_tokens, cfg.seed, rank, world)
+    split = read_split(layout.split)  # the data stage's held-out samples: evaluated here, never trained on
+    data = FeatureData(layout.features, heldout_ids(split), tc.max_batch_tokens, cfg.seed, rank, world)
     model, teacher = build_drafter(cfg, data, device)
 
     bf16 = teacher.lm_head.dtype == torch.bfloat16
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 scalars["gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             log.log(step, scalars, "train")
             log.progress(step, {"loss": f"{scalars['loss']:.3f}", "acc0": f"{scalars['acc_step0']:.2f}",
-                                "accept": f"{scalars['accept_length']:.2f}"})
+                                f"accept{tc.ttt_steps}_ttt": f"{scalars['accept_length']:.2f}"})
             stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
         # the periodic save comes before the evaluation: the mission run's first eval compiled its no-grad kernels
         # for over a minute on the H200, was stopped there and lost its step's save
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
             "steps": step, "tokens": state["tokens"], "world_size": world,
             "latest": (layout.checkpoints / "latest").read_text().strip(), "best": checkpoints.best(),
             "eval": eval_metrics, "aux_layer_ids": data.meta["aux_layer_ids"],
+            "split": {"digest": split_digest(split), "heldout_samples": len(data.eval_idx),
+                      "training_samples": len(data.train_idx),
+                      "heldout_overlap_with_training": split["heldout_overlap_with_training"], "rule": split["rule"]},
             "config": cfg.model_dump(mode="json")})
     dist.barrier()
     dist.destroy_process_group()

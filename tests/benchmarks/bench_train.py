@@ -378,7 +378,7 @@ def loader_stall(shape: str, T: int, samples: int) -> dict:
     write_manifest(d, meta, infos)
     nbytes = sum(i["bytes"] for i in infos)
     dropped = os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null") == 0
-    data = FeatureData(d, 0.0, T, 0, 0, 1)
+    data = FeatureData(d, set(), T, 0, 0, 1)
     t0 = time.perf_counter()
     for _ in data.stream(0, 0, 1, pin=True):
         pass

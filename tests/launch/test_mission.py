@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from launch import mission_target, pipeline
 
-ARGS = ["--size", "tiny", "--batch", "4", "--prompts", "40", "--corpus-mb", "0.2", "--minutes", "5"]
+ARGS = ["--size", "tiny", "--batch", "4", "--prompts", "40", "--unseen-prompts", "6", "--corpus-mb", "0.2",
+        "--minutes", "5"]
 
 
 def test_target_trains_resumes_identically_and_writes_prompts(tmp_path):
@@ -22,8 +23,11 @@ def test_target_trains_resumes_identically_and_writes_prompts(tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # the schedule, batches and AdamW state
     assert straight["losses"][-1][1] < straight["losses"][0][1]
     convs = [json.loads(line) for line in open(tmp_path / "a" / "conversations.jsonl")]
-    assert len(convs) == 40 and len({c["id"] for c in convs}) == 40
+    assert len(convs) == 46 and len({c["id"] for c in convs}) == 46
     assert any("```python" in c["messages"][-1]["content"] for c in convs)  # code tasks from the stdlib
+    assert sum(c.get("heldout") == "unseen-families" for c in convs) == 6
+    prompts = json.loads((tmp_path / "a" / "prompts.json").read_text())
+    assert prompts["drafter_distinct_prompts"] == 46 and prompts["drafter_prompts_in_target_dialogues"] == 0
     again = mission_target.main(["--out", str(tmp_path / "a"), "--steps", "24", *ARGS])  # done: nothing re-run
     assert again["step"] == 24
 
@@ -54,3 +58,16 @@ def test_sigint_ends_training_between_steps_and_saves(tmp_path):
     saved = json.loads((out / "checkpoint" / "state.json").read_text())
     partial = json.loads((out / "target" / "training-partial.json").read_text())
     assert 0 < saved["step"] == partial["step"] < 100000 and not partial["finished"]
+
+
+def test_drafter_prompts_never_occur_in_the_target_dialogues():
+    """The two prompt pools are disjoint by item: a stdlib function's every wording, a task's question."""
+    functions = [("m", f"f{i}", f"def f{i}(): pass") for i in range(40)]
+    target = mission_target.make_dialogues(600, functions, 1, side="target")
+    drafter = mission_target.make_dialogues(300, functions, 2, side="drafter", distinct=True)
+    questions = {m["content"].lower() for c in target for m in c["messages"] if m["role"] == "user"}
+    asked = [m["content"].lower() for c in drafter for m in c["messages"] if m["role"] == "user"]
+    assert len(asked) == len(set(asked)) == 300 and not set(asked) & questions
+    code_functions = {c["messages"][-1]["content"].split("`")[1] for c in target if "```" in c["messages"][-1]["content"]}
+    drafter_functions = {c["messages"][-1]["content"].split("`")[1] for c in drafter if "```" in c["messages"][-1]["content"]}
+    assert code_functions and drafter_functions and not code_functions & drafter_functions

@@ -22,9 +22,9 @@ def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, 
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({
         "run_dir": str(tmp_path / "run"), "target": {"path": str(tiny_target), "aux_layer_ids": [0, 1, 2]},
-        "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 64},
+        "data": {"inputs": [str(convs)], "max_length": 128, "draft_vocab_size": 64, "heldout_fraction": 0.2},
         "extract": {"nproc_per_node": 2, "samples_per_shard": 8},
-        "train": {"max_steps": 3, "max_batch_tokens": 1024, "ttt_steps": 2, "eval_fraction": 0.2}}))
+        "train": {"max_steps": 3, "max_batch_tokens": 1024, "ttt_steps": 2}}))
     first = pipeline(config)
     assert "[pipeline] data: " in first and "-m data --config" in first
     assert "torch.distributed.run --standalone --nproc-per-node 2 -m extract" in first

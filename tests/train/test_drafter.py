@@ -15,7 +15,8 @@ from data.target import load_target_info
 from data.vocab import load_draft_vocab
 from train import ttt
 from train.drafter import Eagle3Drafter, drafter_config
-from train.loader import FeatureData, held_out
+from data.split import heldout_ids, read_split
+from train.loader import FeatureData
 from data.target import load_target_tensors
 from train.teacher import Teacher
 
@@ -249,16 +250,17 @@ def test_teacher_finds_prefixed_tensors_and_masks_out_of_vocab(tmp_path):
 
 def test_loader_groups_lengths_resumes_and_splits_ranks(features_run):
     cfg = load_config(features_run[0])
-    one = FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=0, world=1)
+    heldout = heldout_ids(read_split(cfg.layout.split))
+    one = FeatureData(cfg.layout.features, heldout, 1024, seed=0, rank=0, world=1)
     assert one.padding_fraction(one.epoch_plan(0)) < 0.10
-    assert one.epoch_plan(1) == FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=0, world=1).epoch_plan(1)
+    assert one.epoch_plan(1) == FeatureData(cfg.layout.features, heldout, 1024, seed=0, rank=0, world=1).epoch_plan(1)
     assert one.epoch_plan(0) != one.epoch_plan(1)
-    ranks = [FeatureData(cfg.layout.features, 0.1, 1024, seed=0, rank=r, world=2) for r in range(2)]
+    ranks = [FeatureData(cfg.layout.features, heldout, 1024, seed=0, rank=r, world=2) for r in range(2)]
     seen = [i for r in ranks for b in r.epoch_plan(0) for i in b]
     assert len(seen) == len(set(seen)) and len(ranks[0].epoch_plan(0)) == len(ranks[1].epoch_plan(0))
     assert not set(seen) & set(one.eval_idx.tolist())
     ids = [one.ds[int(i)].sample_id for i in one.eval_idx]
-    assert ids and all(held_out(s, 0.1) for s in ids)
+    assert ids and set(ids) == heldout
     mixed = [int(i) for i in np.argsort(one.lengths)[[0, len(one.lengths) // 2, -1]]]  # three lengths: padding
     batch = one.collate(mixed)
     assert batch.lengths.tolist() == [int(one.lengths[i]) for i in mixed] and len(set(batch.lengths.tolist())) > 1
@@ -273,7 +275,7 @@ def test_overfits_one_batch(drafter, features_run):
     """On one small batch the drafter learns the target's argmax: > 95% step-0 accuracy on the positions it
     trains on (target argmax in the draft vocab; elsewhere no draft can match)."""
     cfg = load_config(features_run[0])
-    data = FeatureData(cfg.layout.features, 0.1, 512, seed=0, rank=0, world=1)
+    data = FeatureData(cfg.layout.features, heldout_ids(read_split(cfg.layout.split)), 512, seed=0, rank=0, world=1)
     b = data.collate(data.epoch_plan(0)[0][:8])
     info = load_target_info(cfg.target.path)
     teacher = Teacher.from_target(cfg.target.path, info.text_config, "post_norm", drafter.t2d, torch.device("cpu"),
