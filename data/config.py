@@ -175,6 +175,10 @@ class ServeConfig(Section):
     server_args: list[str] = Field([], description="extra sglang.launch_server arguments, e.g. --attention-backend=triton")
     timeout_s: float = Field(900, gt=0, description="seconds to wait for each server to become ready")
     extra_steps: list[int] = Field([], description="deeper EAGLE3 chains also measured (one server each), e.g. [5]")
+    repeats: int = Field(3, ge=1, description="timed passes per concurrency and streamed step timings per server "
+                         "(figures are medians with their min-max)")
+    pass_seconds: float = Field(10.0, gt=0, description="each timed pass lasts at least this long")
+    timing_max_new_tokens: int = Field(256, ge=8, description="new tokens per request when timing")
     deterministic_parity: bool = Field(
         False, description="also serve plain and EAGLE3 with --enable-deterministic-inference (single-stream) and "
                            "report their output parity: tells bf16 near-ties from a speculation bug")

@@ -85,8 +85,8 @@ def prepare(cfg: EyrieConfig) -> dict:
         print(f"  skipped {line}")
     print(f"data: {split_summary['training_samples']} training / {split_summary['heldout_samples']} held-out samples "
           f"({split_summary['heldout_prompts']} distinct held-out prompts, groups "
-          f"{ {g: v['samples'] for g, v in split_summary['groups'].items()} }), {split_summary['duplicates_dropped']} "
-          f"duplicates dropped, held-out overlap with training {split_summary['heldout_overlap_with_training']}")
+          f"{ {g: v['samples'] for g, v in split_summary['groups'].items()} }), {split_summary['distinct_conversations']} "
+          f"distinct conversations of {split_summary['conversations_read']}, excluded {split_summary['excluded']}, held-out overlap with training {split_summary['heldout_overlap_with_training']}")
     print(f"data: {totals['rows']} samples, {totals['tokens']} tokens ({totals['loss_tokens']} with loss), "
           f"draft vocab {vocab['draft_vocab_size']} covers {vocab['coverage']:.1%} of loss tokens → {layout.data}")
     return manifest

@@ -137,7 +137,8 @@ class SplitRecord:
             g["samples"] += 1
             g["prompts"].add(text_key(prompt_of_messages(row["prompt"])))
         return {"rule": SPLIT_RULE, "fraction": self.plan.fraction, "conversations_read": self.plan.read,
-                "duplicates_dropped": len(self.plan.duplicates), "excluded": dict(sorted(self.excluded.items())),
+                "distinct_conversations": self.plan.read - len(self.plan.duplicates),
+                "excluded": dict(sorted(self.excluded.items())),  # duplicate_content, contains_heldout_prompt
                 "training_samples": self.training_samples,
                 "heldout_samples": len(self.heldout),
                 "heldout_prompts": len({text_key(prompt_of_messages(r["prompt"])) for r in self.heldout}),

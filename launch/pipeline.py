@@ -187,6 +187,8 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
         return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run.drafter),
                  "--run", str(run.root), "--out", str(run.smoke), "--tp", str(sv.tp), "--steps", steps,
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
+                 "--repeats", str(sv.repeats), "--pass-seconds", str(sv.pass_seconds),
+                 "--timing-max-new-tokens", str(sv.timing_max_new_tokens),
                  *[f"--server-arg={a}" for a in sv.server_args],
                  *(["--deterministic-parity"] if sv.deterministic_parity else [])]]
     if stage == "regenerate":
@@ -277,11 +279,13 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
                                    "device": decoded[trained][next(iter(by_group))]["device"]}}
     if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
-        report["sglang"] = {"accept_length": smoke["eagle3"]["accept_length"], "parity_with_baseline": smoke["parity"],
+        spec = smoke["eagle3"]
+        report["sglang"] = {"chain": spec["chain"], "accept_length_by_group": spec["accept_length_by_group"],
+                            "parity_with_baseline": spec["parity"], "speedup": spec["speedup"],
+                            "verdict": spec["verdict"], "costs": spec["costs"],
                             "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
-                                             "eagle3": smoke["eagle3"]["tokens_per_s"]}, "verdict": smoke["verdict"],
-                            "single_stream": smoke["eagle3"].get("single_stream"),
-                            "deterministic": smoke.get("deterministic")}
+                                             "eagle3": spec["tokens_per_s"]},
+                            "deterministic": smoke.get("deterministic"), "environment": smoke["environment"]}
     return report
 
 

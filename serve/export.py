@@ -66,27 +66,38 @@ def write_drafter_dir(out: Path, config: LlamaConfig, tensors: dict[str, torch.T
     tmp.rename(out)
 
 
+SERVED_STEPS = 3  # the chain the model card's serve command uses (and the pipeline's reference decoder)
+
+
 def model_card(config: LlamaConfig, summary: dict, tag: str, features: dict) -> str:
     c, best = summary["config"], summary.get("best") or {}
     ev = summary.get("eval") or {}
+    ttt = c["train"]["ttt_steps"]
     acc = ", ".join(f"{ev[k]:.3f}" for k in sorted(k for k in ev if k.startswith("acc_step")))
+    # tau(k) = 1 + sum_{j<k} P(drafts 0..j accepted): the served chain's figure, from the same evaluation
+    served = min(SERVED_STEPS, ttt)
+    tau = 1 + sum(ev.get(f"p_accepted_through_step{j}", float("nan")) for j in range(served))
+    split = summary.get("split", {})
     return f"""# EAGLE-3 drafter (exported by Eyrie)
 
 - Target: `{c['target']['path']}` (config hash {features['meta']['target_config_hash']}), aux layer ids
   {config.eagle_config['eagle_aux_hidden_state_layer_ids']} (SGLang convention: output of decoder layer i)
-- Data: {features['totals']['rows']} samples, {features['totals']['tokens']} tokens from {c['data']['inputs']}
+- Data: {features['totals']['rows']} samples, {features['totals']['tokens']} tokens from {c['data']['inputs']};
+  {split.get('heldout_samples', '?')} held out ({split.get('rule', 'split rule not recorded')}; held-out overlap with
+  training: {split.get('heldout_overlap_with_training', '?')})
 - Drafter: hidden {config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, MLP
   {config.intermediate_size}, draft vocab {config.draft_vocab_size} of {config.vocab_size}
 - Training: checkpoint `{tag}` of {summary['steps']} steps, {summary['tokens']} tokens, {summary['world_size']} ranks,
-  TTT {c['train']['ttt_steps']} steps
-- Measured on held-out samples (offline, teacher-forced chains of {c['train']['ttt_steps']} drafts):
-  accept length {ev.get('accept_length', float('nan')):.3f} (tokens per target verify step, = SGLang's
-  spec_accept_length for chain drafting, top-k 1) at the final step; best {best.get('accept_length', float('nan')):.3f}
-  at `{best.get('tag', '-')}`; per-step accuracy (draft argmax == target argmax) {acc or '-'}
+  TTT {ttt} steps
+- Accept length (tokens per target verify step, = SGLang's spec_accept_length) for the serve command below
+  ({served} steps / top-k 1 / {served + 1} draft tokens), offline on the held-out samples (teacher-forced chains at
+  every position, final step): **{tau:.3f}**. At {ttt} steps: {ev.get('accept_length', float('nan')):.3f} (best
+  {best.get('accept_length', float('nan')):.3f} at `{best.get('tag', '-')}`); per-step accuracy (draft argmax ==
+  target argmax) {acc or '-'}. The run's evaluate stage adds the reference decoder's figure on held-out prompts.
 
 Serve: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3
---speculative-draft-model-path THIS_DIR --speculative-num-steps 3 --speculative-eagle-topk 1
---speculative-num-draft-tokens 4`
+--speculative-draft-model-path THIS_DIR --speculative-num-steps {served} --speculative-eagle-topk 1
+--speculative-num-draft-tokens {served + 1}`
 """
 
 

@@ -8,6 +8,7 @@ that checks the port and the GPU memory are released. The smoke test and the pip
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -102,6 +103,21 @@ class Server:
             "temperature": 0, "max_new_tokens": max_new}}, timeout=600)
         r.raise_for_status()
         return r.json()
+
+    def stream(self, input_ids: list[int], max_new: int) -> list[tuple[float, int, int]]:
+        """One greedy request streamed to its end, ignoring EOS so that it runs max_new tokens: (arrival time,
+        cumulative completion tokens, cumulative verify count) per chunk, for serve.timing.step_times."""
+        body = {"input_ids": input_ids, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        chunks = []
+        with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                meta = json.loads(line[len(b"data:"):])["meta_info"]
+                chunks.append((time.perf_counter(), meta["completion_tokens"], meta.get("spec_verify_ct", 0)))
+        return chunks
 
     def stop(self) -> dict:
         """SIGTERM to the process group (SGLang's scheduler and detokenizer are children), SIGKILL after 60 s;

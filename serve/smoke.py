@@ -1,28 +1,33 @@
 """The SGLang serving smoke test: the target served plain, then with the drafter, on the same prompts.
 
     python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
-                          [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--server-arg=--attention-backend=triton ...]
+                          [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--repeats 3] [--pass-seconds 10]
+                          [--server-arg=--attention-backend=triton ...]
 
 Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes from
-its own config.json). Starts `python -m sglang.launch_server` twice on 127.0.0.1 (baseline, then
-`--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps S
---speculative-eagle-topk 1 --speculative-num-draft-tokens S+1`, plus `--speculative-draft-attention-backend` for
-MLA targets, and `--max-running-requests` set above the highest concurrency: SGLang caps running requests at 48 in
+its own config.json). Starts `python -m sglang.launch_server` on 127.0.0.1 for the baseline, then once per chain
+length with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFTER --speculative-num-steps S
+--speculative-eagle-topk 1 --speculative-num-draft-tokens S+1` (plus `--speculative-draft-attention-backend` for
+MLA targets, and `--max-running-requests` above the highest concurrency: SGLang caps running requests at 48 in
 speculative mode otherwise; decode CUDA graphs for the concurrencies' batch sizes only), waits for readiness with a
-timeout (large targets take minutes), sends the prompts at temperature 0 and reports output parity with the
-baseline, the accept length from `meta_info` (`spec_accept_length`, or completion_tokens / spec_verify_ct on older
-versions), tokens/s single-stream and at each concurrency, a verdict per concurrency, and single-stream the
-break-even accept length (a verify cycle's cost in plain decode steps) that tells overhead from drafter quality.
-Servers are stopped by process group; the port and the GPU memory are checked released. `--steps 3,5` starts one
-EAGLE3 server per chain length (report keys `eagle3` for the first, `eagle3_steps5` for the others). Server logs,
-each server's measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run
-cut off by a time limit resumes at the next server) and report.json go to --out. `--deterministic-parity` adds a
-plain and an EAGLE3 server with SGLang's batch-invariant kernels, single-stream: parity there, where the default
-kernels let a bf16 near-tie differ between a 1-token decode and a k-token verify, tells such ties from a bug.
+timeout (large targets take minutes). On each server, at temperature 0:
+- outputs: each prompt group once, single-stream (`max_new_tokens`, 64 as the reference decoder): parity with the
+  baseline per group, and the accept length = completion tokens / target verify steps (SGLang's spec_accept_length);
+- step costs, measured: `--repeats` streamed requests of `--timing-max-new-tokens` tokens, the time between chunks
+  = one plain decode step or one speculative cycle (draft + verify); the break-even accept length is their ratio;
+- tokens/s: `--repeats` passes of at least `--pass-seconds` at each concurrency on the first group's prompts
+  (serve/timing.py); the speedup is median over median with the range of the repeats, and a range that straddles
+  1.0 reads "no measurable difference".
+Servers are stopped by process group; the port and the GPU memory are checked released. Report keys: `eagle3` for
+the first chain length, `eagle3_stepsN` for the others. Server logs, each server's measurements (server-NAME.json,
+reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next
+server) and report.json go to --out. `--deterministic-parity` adds a plain and an EAGLE3 server with SGLang's
+batch-invariant kernels, single-stream: parity there, where the default kernels let a bf16 near-tie differ between
+a 1-token decode and a k-token verify, tells such ties from a bug.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
-held-out first turns, the ones serve.evaluate decoded, and the report puts SGLang's accept length and output
-tokens next to the reference decoder's and the offline evaluator's.
+held-out prompts by group (RUN_DIR/data/split.json), the ones serve.evaluate decoded, and the report puts SGLang's
+accept length next to the reference decoder's and the offline evaluator's for each group.
 """
 from __future__ import annotations
 
@@ -30,15 +35,17 @@ import argparse
 import hashlib
 import json
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from data.environment import environment
 from data.files import file_checksum
 from data.layout import RunLayout
+from data.split import SAMPLED_GROUP
 from data.target import declared_dtype, load_target_info
 
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
+from .timing import ratio, spread, step_times, timed_pass, verdict
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]
@@ -51,29 +58,22 @@ def accept_length(metas: list[dict]) -> float | None:
     return sum(m["completion_tokens"] for m in metas) / verify if verify else None
 
 
-def verdict(baseline: dict[int, float], speculative: dict[int, float], margin: float = 0.05) -> dict[int, str]:
-    out = {}
-    for c, base in baseline.items():
-        ratio = speculative[c] / base if base else 0.0
-        out[c] = f"pays ({ratio:.2f}x)" if ratio > 1 + margin else \
-            f"does not pay ({ratio:.2f}x)" if ratio < 1 - margin else f"neutral ({ratio:.2f}x)"
-    return out
-
-
-def single_stream_costs(baseline_tokens_per_s: float, spec_tokens_per_s: float, accept: float, steps: int) -> dict:
-    """Why speculation pays or not single-stream, from measured throughputs: a verify cycle (the drafts plus one
-    target verify) costs accept / spec_tokens_per_s, a plain decode step 1 / baseline_tokens_per_s, so speculation
-    pays once the accept length exceeds their ratio (the break-even accept length). A break-even above steps + 1,
-    the most one cycle emits, means no drafter pays at this chain length: overhead, not drafter quality. Measured
-    end to end per request, so HTTP and prefill are in both."""
-    step_ms, cycle_ms = 1000 / baseline_tokens_per_s, 1000 * accept / spec_tokens_per_s
-    break_even = cycle_ms / step_ms
-    limited_by = ("nothing: the accept length is above break-even" if accept > break_even else
-                  "overhead: a cycle costs more decode steps than it can emit" if break_even > steps + 1 else
-                  "drafter quality: a higher accept length would pay")
-    return {"baseline_ms_per_token": round(step_ms, 3), "verify_cycle_ms": round(cycle_ms, 3),
-            "break_even_accept_length": round(break_even, 3), "accept_length": accept,
-            "most_tokens_per_cycle": steps + 1, "limited_by": limited_by}
+def cycle_costs(step_ms: dict, cycle_ms: dict, accept: float | None, steps: int) -> dict:
+    """Why speculation pays or not single-stream, from the measured costs: a verify cycle (the drafts plus one
+    target verify) against a plain decode step. Speculation pays once the accept length exceeds cycle / step (the
+    break-even accept length); a break-even above steps + 1, the most one cycle emits, means no drafter pays at
+    this chain length: overhead, not drafter quality. The range pairs the repeats' extreme medians."""
+    steps_med, cycles_med = step_ms["repeat_medians"], cycle_ms["repeat_medians"]
+    break_even = {"median": cycle_ms["median"] / step_ms["median"],
+                  "min": min(cycles_med) / max(steps_med), "max": max(cycles_med) / min(steps_med)}
+    limited_by = ("nothing: the accept length is above break-even" if accept and accept > break_even["max"] else
+                  "overhead: a cycle costs more decode steps than it can emit" if break_even["min"] > steps + 1 else
+                  "drafter quality: a higher accept length would pay" if accept and accept < break_even["min"] else
+                  "undecided: the accept length is within the break-even's range")
+    return {"plain_step_ms": step_ms, "cycle_ms": cycle_ms, "break_even_accept_length": break_even,
+            "accept_length": accept, "most_tokens_per_cycle": steps + 1, "limited_by": limited_by,
+            "how": "client-side time between streamed chunks of one request (stream interval 1): one chunk per plain "
+                   "decode step or per speculative cycle; break-even = cycle / step"}
 
 
 def sglang_auto_dtype(declared: str | None) -> str:
@@ -98,12 +98,13 @@ def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> No
                          f"--server-arg=--dtype={served['drafter']} (or re-export the drafter for this target)")
 
 
-def server_key(command: list[str], prompts: list[list[int]], max_new: int, concurrency: list[int],
+def server_key(command: list[str], groups: dict[str, list[list[int]]], settings: list, concurrency: list[int],
                drafter: str | None) -> str:
-    """What a server's measurements depend on: its command, the prompts and, for EAGLE3, the drafter's files."""
+    """What a server's measurements depend on: its command, the prompts, how it is timed and, for EAGLE3, the
+    drafter's files."""
     drafter_files = [(f.name, file_checksum(f)) for f in sorted(Path(drafter).iterdir()) if f.is_file()] \
         if drafter else []
-    return hashlib.sha256(json.dumps([command, prompts, max_new, concurrency, drafter_files]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([command, groups, settings, concurrency, drafter_files]).encode()).hexdigest()
 
 
 def measured_once(path: Path, key: str, serve_and_measure) -> dict:
@@ -113,48 +114,51 @@ def measured_once(path: Path, key: str, serve_and_measure) -> dict:
         saved = json.loads(path.read_text())
         if saved["key"] == key:
             print(f"[smoke] {path.stem}: measured by an earlier run with the same command, prompts and drafter: {path}")
-            measured = saved["result"]["measured"]
-            measured["tokens_per_s"] = {int(c): v for c, v in measured["tokens_per_s"].items()}  # JSON keys are str
             return saved["result"]
     result = serve_and_measure()
     path.write_text(json.dumps({"key": key, "result": result}))
     return result
 
 
-SINGLE_STREAM_PASSES = 3
+def outputs(server: Server, prompts: list[list[int]], max_new: int) -> dict:
+    """Each prompt once, single-stream: the texts (parity) and the accept length over all of them."""
+    results = [server.generate(p, max_new) for p in prompts]
+    metas = [r["meta_info"] for r in results]
+    return {"texts": [r["text"] for r in results], "output_ids": [r.get("output_ids") for r in results],
+            "prompts": len(prompts), "completion_tokens": sum(m["completion_tokens"] for m in metas),
+            "verify_steps": sum(m.get("spec_verify_ct", 0) for m in metas), "accept_length": accept_length(metas),
+            "per_prompt": [{"completion_tokens": m["completion_tokens"], "verify_steps": m.get("spec_verify_ct", 0)}
+                           for m in metas],
+            "spec_accept_length_mean": (sum(m["spec_accept_length"] for m in metas) / len(metas)
+                                        if all("spec_accept_length" in m for m in metas) else None)}
 
 
-def measure(server: Server, prompts: list[list[int]], max_new: int, concurrency: list[int]) -> dict:
-    server.generate(prompts[0], 8)  # untimed warm-up
-    # single-stream tokens/s: the median of a few passes over the prompts (one pass of a 100M target is ~1 s, and
-    # one pass's verify cycle once timed 17% dearer with 3 draft steps than with 5); the first pass is reported
-    single, rates = None, []
-    for _ in range(SINGLE_STREAM_PASSES):
-        t0 = time.time()
-        results = [server.generate(p, max_new) for p in prompts]
-        rates.append(sum(r["meta_info"]["completion_tokens"] for r in results) / (time.time() - t0))
-        single = single or results
-    metas = [r["meta_info"] for r in single]
-    out = {"texts": [r["text"] for r in single], "output_ids": [r.get("output_ids") for r in single],
-           "completion_tokens": sum(m["completion_tokens"] for m in metas),
-           "verify_steps": sum(m.get("spec_verify_ct", 0) for m in metas), "accept_length": accept_length(metas),
-           "per_prompt": [{"completion_tokens": m["completion_tokens"], "verify_steps": m.get("spec_verify_ct", 0)}
-                          for m in metas],
-           "spec_accept_length_mean": (sum(m["spec_accept_length"] for m in metas) / len(metas)
-                                       if all("spec_accept_length" in m for m in metas) else None),
-           "tokens_per_s": {1: statistics.median(rates)}, "single_stream_passes_tokens_per_s": rates}
+def measure(server: Server, groups: dict[str, list[list[int]]], a: argparse.Namespace, concurrency: list[int],
+            speculative: bool) -> dict:
+    timing_prompts = groups[timing_group(groups)]
+    server.generate(timing_prompts[0], 8)  # untimed warm-up
+    out = {"groups": {g: outputs(server, prompts, a.max_new_tokens) for g, prompts in groups.items()}}
+    medians, every = [], []
+    for r in range(a.repeats):
+        times = step_times(server.stream(timing_prompts[r % len(timing_prompts)], a.timing_max_new_tokens),
+                           speculative)
+        medians.append(statistics.median(times))
+        every += times
+    out["step_ms"] = {k: v for k, v in spread(every).items() if k != "values"} | {"repeat_medians": medians}
+    out["tokens_per_s"], out["passes"] = {}, {}
     for c in concurrency:
-        if c == 1:
-            continue
-        # 4c requests, at least 4 per prompt: at 2c the mission's c=8 windows were 0.2-0.6 s, too short to time
-        n = max(4 * c, 4 * len(prompts))
-        batch = (prompts * (n // len(prompts) + 1))[:n]
         with ThreadPoolExecutor(c) as pool:  # untimed warm-up: kernels built for this batch size are not timed
-            list(pool.map(lambda p: server.generate(p, 8), batch[:c]))
-            t0 = time.time()
-            results = list(pool.map(lambda p: server.generate(p, max_new), batch))
-        out["tokens_per_s"][c] = sum(r["meta_info"]["completion_tokens"] for r in results) / (time.time() - t0)
+            list(pool.map(lambda p: server.generate(p, 8), (timing_prompts * c)[:c]))
+        passes = [timed_pass(server.generate, timing_prompts, a.timing_max_new_tokens, c, a.pass_seconds)
+                  for _ in range(a.repeats)]
+        out["passes"][str(c)] = passes
+        out["tokens_per_s"][str(c)] = spread([p["tokens_per_s"] for p in passes])
     return out
+
+
+def timing_group(groups: dict) -> str:
+    """The prompts timed: the in-distribution held-out group where there is one."""
+    return SAMPLED_GROUP if SAMPLED_GROUP in groups else next(iter(groups))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -164,9 +168,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--prompts", help="JSONL of conversations; each first user turn becomes a prompt")
     p.add_argument("--run", help="pipeline run dir: its held-out prompts, compared with its evaluate stage")
-    p.add_argument("--limit", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="64: what the reference decoder uses")
+    p.add_argument("--limit", type=int, default=16, help="prompts per group")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="outputs and accept length; 64: what the reference "
+                   "decoder uses")
     p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per concurrency, and streamed step timings")
+    p.add_argument("--pass-seconds", type=float, default=10.0, help="each timed pass runs at least this long")
+    p.add_argument("--timing-max-new-tokens", type=int, default=256, help="tokens per request when timing")
     p.add_argument("--steps", default="3", help="chain lengths, comma-separated; the first is compared with the run")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
@@ -181,22 +189,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def prompt_ids(a: argparse.Namespace) -> list[list[int]]:
-    """The prompts as token ids, tokenized as the reference decoder does, so both see the very same prompt."""
+def prompt_groups(a: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """The prompts as token ids by group, tokenized as the reference decoder does, so both see the very same
+    prompts: a run's held-out groups, a file's prompts, or a few defaults."""
     from transformers import AutoTokenizer
 
     from .decode import read_prompts
     if a.run:
-        from .evaluate import held_out_prompts
+        from .evaluate import heldout_groups, heldout_prompts
         reference_decoding(a.run, a.drafter, a.steps[0])  # fail now, not after minutes of server start-up
-        convs = held_out_prompts(a.run, a.limit)
+        convs = {g: [m for _, m in heldout_prompts(a.run, g, a.limit)] for g in heldout_groups(a.run)}
     elif a.prompts:
-        convs = read_prompts(a.prompts)
+        convs = {"prompts": read_prompts(a.prompts)[:a.limit]}
     else:
-        convs = [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]
+        convs = {"default": [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]}
     tok = AutoTokenizer.from_pretrained(a.target)
-    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for m in convs[:a.limit]]
+    return {g: [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in ms]
+            for g, ms in convs.items() if ms}
 
 
 def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]:
@@ -214,8 +223,8 @@ def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]
         [(name, common + eagle(n), a.concurrency) for name, n in zip(spec_names(a.steps), a.steps)]
     if a.deterministic_parity:  # batch-invariant kernels: a 4-token verify computes what a 1-token decode does
         deterministic = ["--enable-deterministic-inference"]
-        servers += [("baseline_deterministic", common + deterministic, [1]),
-                    ("eagle3_deterministic", common + eagle(a.steps[0]) + deterministic, [1])]
+        servers += [("baseline_deterministic", common + deterministic, []),  # outputs only, not timed
+                    ("eagle3_deterministic", common + eagle(a.steps[0]) + deterministic, [])]
     return servers
 
 
@@ -223,18 +232,19 @@ def spec_names(steps: list[int]) -> list[str]:
     return ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
 
 
-def run_servers(a: argparse.Namespace, prompts: list[list[int]], out: Path) -> dict:
+def run_servers(a: argparse.Namespace, groups: dict[str, list[list[int]]], out: Path) -> dict:
     """Each planned server started, measured and stopped in turn (or its saved measurements reused)."""
     report = {}
+    settings = [a.max_new_tokens, a.repeats, a.pass_seconds, a.timing_max_new_tokens]
     for name, args, levels in server_plan(a):
-        key = server_key(server_command(a.port, args), prompts, a.max_new_tokens, levels,
-                         a.drafter if a.drafter in args else None)
+        speculative = a.drafter in args
+        key = server_key(server_command(a.port, args), groups, settings, levels, a.drafter if speculative else None)
 
         def serve_and_measure() -> dict:
             stopped: dict = {}
             with serving(args, a.port, out / f"server-{name}.log", a.timeout, stopped) as server:
                 result = {"command": " ".join(server.cmd), "ready_s": server.ready_s,
-                          "measured": measure(server, prompts, a.max_new_tokens, levels)}
+                          "measured": measure(server, groups, a, levels, speculative)}
             return result | {"stopped": stopped}
         try:
             result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
@@ -249,68 +259,86 @@ def run_servers(a: argparse.Namespace, prompts: list[list[int]], out: Path) -> d
     return report
 
 
-def compare(report: dict, a: argparse.Namespace, prompts: int) -> dict:
-    """Parity with the plain server, verdicts per concurrency and single-stream costs, from the measurements."""
-    base, spec = report["baseline"], report["eagle3"]
+def parity(run: dict, baseline: dict) -> dict[str, float]:
+    """Share of each group's prompts whose output equals the baseline's, and over all groups ('all')."""
+    same = {g: [x == y for x, y in zip(baseline["groups"][g]["texts"], r["texts"])] for g, r in run["groups"].items()}
+    every = [v for s in same.values() for v in s]
+    return {g: sum(s) / len(s) for g, s in same.items()} | {"all": sum(every) / len(every)}
 
-    def parity(run: dict, baseline: dict = base) -> float:  # share of prompts whose output equals the baseline's
-        return sum(x == y for x, y in zip(baseline["texts"], run["texts"])) / prompts
-    report["parity"] = parity(spec)
-    if a.deterministic_parity and "deterministic" not in report:
-        det = report["eagle3_deterministic"]
-        report["deterministic"] = {"parity": parity(det, report["baseline_deterministic"]),
-                                   "accept_length": det["accept_length"],
-                                   "baseline_parity_with_default_kernels": parity(report["baseline_deterministic"])}
-    report["verdict"] = verdict(base["tokens_per_s"], spec["tokens_per_s"])
+
+def chain(steps: int) -> str:
+    return f"SGLang EAGLE3, {steps} steps / top-k 1 / {steps + 1} draft tokens"
+
+
+def compare(report: dict, a: argparse.Namespace) -> dict:
+    """Parity with the plain server, speedups and verdicts per concurrency, and the cycle costs, per chain length."""
+    base = report["baseline"]
     for name, n in zip(spec_names(a.steps), a.steps):
         measured = report[name]
-        measured["single_stream"] = single_stream_costs(base["tokens_per_s"][1], measured["tokens_per_s"][1],
-                                                        measured["accept_length"], n)
-        if name != "eagle3":
-            measured |= {"parity": parity(measured), "verdict": verdict(base["tokens_per_s"], measured["tokens_per_s"])}
+        timed = timing_group(measured["groups"])
+        speedup = {c: ratio(measured["tokens_per_s"][c], base["tokens_per_s"][c]) for c in measured["tokens_per_s"]}
+        measured |= {"chain": chain(n), "parity": parity(measured, base),
+                     "accept_length_by_group": {g: r["accept_length"] for g, r in measured["groups"].items()},
+                     "speedup": speedup, "verdict": {c: verdict(r) for c, r in speedup.items()},
+                     "costs": cycle_costs(base["step_ms"], measured["step_ms"], measured["groups"][timed]["accept_length"],
+                                          n)}
+    report["parity"] = report["eagle3"]["parity"]["all"]
+    report["verdict"] = report["eagle3"]["verdict"]
+    if a.deterministic_parity and "deterministic" not in report:
+        det = report["eagle3_deterministic"]
+        report["deterministic"] = {
+            "parity": parity(det, report["baseline_deterministic"])["all"],
+            "accept_length": {g: r["accept_length"] for g, r in det["groups"].items()},
+            "baseline_parity_with_default_kernels": parity(report["baseline_deterministic"], base)["all"]}
     report["accept_length_formula"] = "completion tokens / target verify steps (SGLang's spec_accept_length)"
+    report["speedup_formula"] = ("median tokens/s over the repeats / the baseline's median; range: min/max and max/min "
+                                 "of the repeats; a range that straddles 1.0 is no measurable difference")
     if a.run:
-        report["reference"] = compare_with_run(a.run, a.drafter, a.steps[0], spec)
+        report["reference"] = compare_with_run(a.run, a.drafter, a.steps[0], report["eagle3"])
     return report
 
 
 def print_report(report: dict, a: argparse.Namespace) -> None:
-    base, spec = report["baseline"], report["eagle3"]
-    print(f"parity with baseline: {report['parity']:.0%}; accept length {spec['accept_length']} "
-          f"(spec_accept_length mean {spec['spec_accept_length_mean']})")
-    for c in a.concurrency:
-        print(f"concurrency {c:>4}: baseline {base['tokens_per_s'][c]:9.1f} tok/s, eagle3 "
-              f"{spec['tokens_per_s'][c]:9.1f} tok/s → {report['verdict'][c]}")
+    base = report["baseline"]
+    print(f"timing: {a.repeats} passes of >= {a.pass_seconds:g} s per concurrency, {a.timing_max_new_tokens} new tokens "
+          f"a request; {report['speedup_formula']}")
     for name, n in zip(spec_names(a.steps), a.steps):
-        costs = report[name]["single_stream"]
-        print(f"{n} steps single-stream: decode step {costs['baseline_ms_per_token']:.2f} ms, verify cycle "
-              f"{costs['verify_cycle_ms']:.2f} ms → break-even accept length {costs['break_even_accept_length']:.2f} "
-              f"(measured {costs['accept_length']:.2f}, at most {n + 1}); limited by {costs['limited_by']}")
+        m = report[name]
+        print(f"{m['chain']}: parity with the plain server " + ", ".join(f"{g} {v:.0%}" for g, v in m["parity"].items())
+              + "; accept length " + ", ".join(f"{g} {v:.3f} ({m['groups'][g]['prompts']} prompts, "
+                                                f"{m['groups'][g]['completion_tokens']} tokens)"
+                                                for g, v in m["accept_length_by_group"].items() if v is not None))
+        for c, tps in m["tokens_per_s"].items():
+            b = base["tokens_per_s"][c]
+            print(f"  concurrency {c:>4}: plain {b['median']:9.1f} tok/s ({b['min']:.1f}-{b['max']:.1f}), eagle3 "
+                  f"{tps['median']:9.1f} ({tps['min']:.1f}-{tps['max']:.1f}) → {m['verdict'][c]}")
+        costs = m["costs"]
+        be = costs["break_even_accept_length"]
+        print(f"  single request: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
+              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} cycles) → break-even accept "
+              f"length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {n + 1}; limited by "
+              f"{costs['limited_by']}")
     if "error" in report.get("deterministic", {}):
         print(f"--enable-deterministic-inference: no parity check, {report['deterministic']['error'][:300]}")
     elif "deterministic" in report:
         det = report["deterministic"]
-        print(f"--enable-deterministic-inference, {a.steps[0]} steps: parity with its plain server "
-              f"{det['parity']:.0%}, accept length {det['accept_length']:.3f}; its plain output = the default plain "
-              f"output on {det['baseline_parity_with_default_kernels']:.0%}")
-    for n in a.steps[1:]:
-        deeper = report[f"eagle3_steps{n}"]
-        print(f"{n} steps: accept length {deeper['accept_length']}, parity {deeper['parity']:.0%}, "
-              + ", ".join(f"c={c} {deeper['tokens_per_s'][c] / base['tokens_per_s'][c]:.2f}x" for c in a.concurrency))
+        print(f"--enable-deterministic-inference, {chain(a.steps[0])}: parity with its plain server "
+              f"{det['parity']:.0%}; its plain output = the default plain output on "
+              f"{det['baseline_parity_with_default_kernels']:.0%}")
     print_reference(report.get("reference", {}))
 
 
 def print_reference(reference: dict) -> None:
-    for name, r in reference.get("accept_length", {}).items():
-        print(f"{name:>28}: accept length {r['value']:.3f} ({r['relative_to_sglang']:+.1%} vs SGLang)")
-    if reference:
-        print(f"SGLang EAGLE3 output tokens equal to the reference decoder's: "
-              f"{reference['token_parity_with_reference_decoder']:.0%}")
-    if "same_output_prompts" in reference:
-        same = reference["same_output_prompts"]
-        print(f"on the {same['prompts']} prompts with equal outputs: SGLang {same['sglang']:.3f}, reference decoder "
-              f"{same['reference_decoder']:.3f} ({same['relative_to_sglang']:+.1%}); equal verify steps on "
-              f"{same['prompts_with_equal_verify_steps']}")
+    for group, r in reference.items():
+        for name, v in r["accept_length"].items():
+            print(f"{group:>16} {name:>28}: accept length {v['value']:.3f} ({v['relative_to_sglang']:+.1%} vs SGLang)")
+        print(f"{group:>16} SGLang EAGLE3 output tokens equal to the reference decoder's: "
+              f"{r['token_parity_with_reference_decoder']:.0%}")
+        if "same_output_prompts" in r:
+            same = r["same_output_prompts"]
+            print(f"{group:>16} on the {same['prompts']} prompts with equal outputs: SGLang {same['sglang']:.3f}, "
+                  f"reference decoder {same['reference_decoder']:.3f} ({same['relative_to_sglang']:+.1%}); equal "
+                  f"verify steps on {same['prompts_with_equal_verify_steps']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -318,39 +346,49 @@ def main(argv: list[str] | None = None) -> dict:
     check_served_dtypes(a.target, a.drafter, a.server_arg)  # now, not after minutes of server start-up
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = prompt_ids(a)
-    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps, "prompts": len(prompts),
-              "max_new_tokens": a.max_new_tokens, "gpu_memory_before_mib": gpu_memory_used_mib()}
-    report = compare(report | run_servers(a, prompts, out), a, len(prompts))
+    groups = prompt_groups(a)
+    report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps,
+              "prompts": {g: len(p) for g, p in groups.items()}, "max_new_tokens": a.max_new_tokens,
+              "timing": {"repeats": a.repeats, "pass_seconds": a.pass_seconds,
+                         "max_new_tokens": a.timing_max_new_tokens, "prompts": timing_group(groups)},
+              "environment": environment(), "gpu_memory_before_mib": gpu_memory_used_mib()}
+    report = compare(report | run_servers(a, groups, out), a)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print_report(report, a)
     print(f"report: {out / 'report.json'}")
     return report
 
+
 def reference_decoding(run: str, drafter: str, steps: int) -> dict:
     """The run's serve.evaluate report, which must hold a reference-decoder run of this drafter and chain."""
     report = json.loads(RunLayout(run).evaluate_report.read_text())
-    if report.get("decode", {}).get(drafter, {}).get("steps") != steps:
+    decoded = report.get("decode", {}).get(drafter, {})
+    if not decoded or any(d.get("steps") != steps for d in decoded.values()):
         raise SystemExit(f"{run}/evaluate/evaluate.json has no reference-decoder run of {drafter} with {steps} steps")
     return report
 
 
 def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
-    """SGLang's accept length beside the reference decoder's and the offline evaluator's of the same run."""
+    """Per held-out group, SGLang's accept length beside the reference decoder's and the offline evaluator's of the
+    same run, all at this chain length."""
     report = reference_decoding(run, drafter, steps)
-    decoded, offline = report["decode"][drafter], report["drafters"][drafter]
-    sglang = spec["accept_length"]
-    values = {"sglang": sglang, "reference_decoder": decoded["accept_length"],
-              f"offline_evaluator_{report['split']}": offline["accept_length_by_steps"][steps - 1]}
-    if "prompts" in offline:  # the same prompts' stored answers, decoded on their features
-        values["offline_evaluator_prompts"] = offline["prompts"]["decoded_accept_length_by_steps"][steps - 1]
-    ref_ids = [r["output_ids"] for r in decoded["prompts"]]
-    same = [a == b for a, b in zip(spec["output_ids"], ref_ids)]
-    out = {"accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1} for k, v in values.items()},
-           "token_parity_with_reference_decoder": sum(same) / max(len(same), 1),
-           "reference_decoder_device": decoded["device"], "prompts_compared": len(same)}
-    if "per_prompt" in spec and any(same):  # measurements saved before per-prompt counts were kept lack it
-        out["same_output_prompts"] = same_output_accept_lengths(spec["per_prompt"], decoded["prompts"], same)
+    out = {}
+    for group, measured in spec["groups"].items():
+        decoded, offline = report["decode"][drafter].get(group), report["drafters"][drafter].get(group)
+        if decoded is None or offline is None:
+            continue
+        sglang = measured["accept_length"]
+        values = {"sglang": sglang, "reference_decoder": decoded["accept_length"],
+                  "offline_evaluator_tau": offline["accept_length_by_steps"][steps - 1],
+                  "offline_evaluator_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1]}
+        same = [x == y for x, y in zip(measured["output_ids"], [r["output_ids"] for r in decoded["prompts"]])]
+        out[group] = {"chain": f"{steps} steps / top-k 1 / {steps + 1} draft tokens",
+                      "accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1} for k, v in values.items()},
+                      "token_parity_with_reference_decoder": sum(same) / max(len(same), 1),
+                      "reference_decoder_device": decoded["device"], "prompts_compared": len(same)}
+        if any(same):
+            out[group]["same_output_prompts"] = same_output_accept_lengths(measured["per_prompt"], decoded["prompts"],
+                                                                            same)
     return out
 
 

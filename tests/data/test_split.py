@@ -43,7 +43,8 @@ def test_duplicates_and_near_duplicates_never_straddle_the_split():
                   conv(3 * i + 2, "  " + p.upper().replace(" ", "   "), answer="Another answer.", system=True)]
     record, fate = applied(convs, 0.25)
     split = record.to_json()
-    assert split["duplicates_dropped"] == len(prompts)
+    assert split["distinct_conversations"] == 2 * len(prompts)
+    assert split["excluded"]["duplicate_content"] == len(prompts)
     sides = {}
     for c in convs:
         if fate[c.id] == "duplicate_content":

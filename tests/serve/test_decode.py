@@ -7,7 +7,7 @@ import torch
 
 from serve.decode import Target, greedy, speculative
 from serve.drafter_dir import load_drafter, read_config
-from serve.evaluate import held_out_prompts
+from serve.evaluate import heldout_prompts
 
 
 def test_demo_report_has_the_measured_acceptance(demo_run):
@@ -27,8 +27,11 @@ def test_demo_report_has_the_measured_acceptance(demo_run):
     assert all(len(name.split("/")) == 2 for name in events.Runs())
     assert {"extract/tokens_per_s_rank1", "extract/bytes_per_token"} <= tags["extract"]
     assert {"train/loss", "eval/accept_length"} <= tags["train"]
-    assert {"evaluate/drafter/accept_length", "evaluate/drafter-untrained/reference_decoder_accept_length"} \
-        <= tags["evaluate"]
+    assert {"evaluate/drafter/sampled/offline_accept_length",
+            "evaluate/drafter-untrained/sampled/reference_decoder_accept_length"} <= tags["evaluate"]
+    # the held-out prompts never occur in the drafter's training data, and the report says how they were chosen
+    assert report["heldout"]["heldout_overlap_with_training"] == 0 and "normalised" in report["heldout"]["rule"]
+    assert report["accept_length_by_group"]["sampled"]["prompts"] >= 6
     # trained vs the same drafter untrained, on the same held-out prompts
     assert report["accept_length"] > 2.0 and report["accept_length_untrained"] < 1.3, report
     # Offline = the same prompts' stored answers (the target's own greedy outputs) decoded on their features: it
@@ -67,7 +70,7 @@ def test_lossless_with_four_draft_steps_trained_and_untrained(demo_run):
     for name in ("drafter", "drafter-untrained"):
         drafter = load_drafter(run / name, target_path, torch.device("cpu"))
         generated = calls = 0
-        for messages in held_out_prompts(run, 6):
+        for _, messages in heldout_prompts(run, "sampled", 6):
             prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             base = greedy(target, prompt, 48, {tok.eos_token_id})
             spec = speculative(target, drafter, prompt, 48, {tok.eos_token_id}, steps=4)
