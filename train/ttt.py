@@ -132,7 +132,10 @@ def flex_causal_attention(q, k, v, scale):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(L, str(q.device)), scale=scale,
                                 enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
-    return out[:, :, :T], lse[:, :, :T].float()
+    # Contiguous whether cut back to T or not: a view with the padded length's strides made the merge (compiled
+    # for dynamic shapes, guarded on strides) compile again for every length exactly at its bucket
+    # (tests/gpu/test_flex_ttt.py on the H100: 2 graphs more at T = 2048)
+    return out[:, :, :T].contiguous(), lse[:, :, :T].float().contiguous()
 
 
 def _shifts(x: torch.Tensor, upto: int, fill=0) -> list[torch.Tensor]:

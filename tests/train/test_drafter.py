@@ -188,6 +188,31 @@ def test_flex_compiles_once_per_length_bucket_whatever_the_batch_size(monkeypatc
     assert not ttt._FLEX_FAILED
 
 
+def test_a_length_at_its_flex_bucket_compiles_no_new_merge(monkeypatch):
+    """flex's output feeds the merge of the later unroll steps' keys (compiled for dynamic shapes, guarded on
+    strides): a length exactly at its bucket (no padding) must hand it the same layout as a padded one. Before:
+    one graph more at T = 128 here (forward; with backward on the H100, 2 at T = 2048)."""
+    from torch._dynamo.utils import counters
+
+    from train import fused
+    monkeypatch.setattr(fused, "CPU_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(ttt, "_compiled_flex", functools.partial(ttt._compiled_flex.__wrapped__, "aot_eager"))
+    monkeypatch.setattr(ttt, "_FLEX_FAILED", [])
+    torch._dynamo.reset()
+
+    def graphs_after(B: int, T: int) -> int:
+        q = torch.randn(B, T, 4, 16).transpose(1, 2)
+        keys = [torch.randn(B, T, 2, 16).transpose(1, 2) for _ in range(3)]
+        values = [torch.randn(B, T, 2, 16).transpose(1, 2) for _ in range(3)]
+        with torch.no_grad():  # flex has no backward on the CPU
+            assert ttt.ttt_attention(q, keys, values, 0.25, "flex").shape == (B, 4, T, 16)
+        return counters["stats"]["unique_graphs"]
+    graphs_after(2, 100), graphs_after(3, 110)  # first compiles
+    start = counters["stats"]["unique_graphs"]
+    assert [graphs_after(B, T) - start for B, T in [(5, 90), (4, 128), (2, 120), (6, 128)]] == [0] * 4
+    assert not ttt._FLEX_FAILED
+
+
 def test_training_compiles_a_fixed_set_of_graphs_whatever_the_batch(drafter, monkeypatch):
     """Every graph dynamo makes is an Inductor compile of seconds on the GPU: the mission run's first 20 steps
     took 4 min 56 s (a graph per unroll step for the merge, per requires_grad/stride/batch-size-equals-heads
