@@ -8,8 +8,11 @@
 # kernel caches (jitcache.tar.xz and inductor.tar.xz: copy them to .sgl/ for the next fresh machine; .whl + .sgl
 # must stay under the 64 MiB a call carries).
 #
-#   device command (x3):  bash tests/benchmarks/mission.sh        (carry .whl and .sgl)
-#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7)
+#   device command (x3):  EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/mission.sh   (carry .whl, .sgl)
+#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7), EYRIE_COMMIT (the
+#   commit the tree is, recorded in the reports: the machine's copy has no .git)
+# The command that reaches the smoke stage first runs the GPU tests (tests/gpu, log gpu-tests.log).
+# Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source .whl/gpu-env.sh
@@ -36,8 +39,9 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
   cp -f $RUN/smoke/report.json "$OUT_DIR/smoke-report.json" 2>/dev/null
   cp -f $RUN/drafter/config.json "$OUT_DIR/drafter-config.json" 2>/dev/null
   tar -czf "$OUT_DIR/results.tar.gz" --ignore-failed-read $RUN/pipeline $RUN/evaluate $RUN/tensorboard \
-    $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $ASSETS/target/training*.json \
-    $ASSETS/target/config.json 2>/dev/null
+    $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $RUN/data/split.json $RUN/data/samples/manifest.json \
+    $RUN/train/summary.json $RUN/drafter/README.md $ASSETS/prompts.json $ASSETS/target/training*.json \
+    $ASSETS/target/config.json /tmp/gpu-tests.log 2>/dev/null
   # the kernels this machine built: jitcache.tar.xz (Triton and TVM-FFI binaries; sglang-env.sh unpacks it) and
   # inductor.tar.xz (Inductor's graphs; unpacked above), copied to .sgl/ they spare a later fresh machine the builds.
   # Two archives, so that a large Inductor cache cannot keep SGLang's from coming back
@@ -78,9 +82,15 @@ timeout -k 20 -s INT "$(within 30)" python3 -m launch.pipeline --config launch/c
        # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
        for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
 
-# the smoke test starts three servers; a rerun skips those already measured, so start it with room for one
+# the smoke test starts a server per configuration; a rerun skips those already measured: room for one
 if [ "$(left)" -lt 150 ]; then
   log "smoke: $(left) s left, too few to start a server; run this script again"; exit 0
+fi
+if [ ! -f /tmp/gpu-tests.log ]; then  # once per machine: the GPU tests at this tree (flex kernels, SGLang extraction)
+  log "GPU tests"
+  timeout -k 10 "$(within 360)" python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu 2>&1 | tee /tmp/gpu-tests.log \
+    | tail -5
+  if [ "$(left)" -lt 200 ]; then log "smoke: $(left) s left after the GPU tests; run this script again"; exit 0; fi
 fi
 log "pipeline: smoke"
 REACHED_SMOKE=1
