@@ -142,6 +142,9 @@ def measure(server: Server, groups: dict[str, list[list[int]]], a: argparse.Name
     for r in range(a.repeats):
         times = step_times(server.stream(timing_prompts[r % len(timing_prompts)], a.timing_max_new_tokens),
                            speculative)
+        if not times:
+            raise RuntimeError(f"{server.log.stem}: a streamed request of {a.timing_max_new_tokens} tokens came back "
+                               "in one chunk; no step could be timed")
         medians.append(statistics.median(times))
         every += times
     out["step_ms"] = {k: v for k, v in spread(every).items() if k != "values"} | {"repeat_medians": medians}

@@ -68,8 +68,9 @@ def step_times(chunks: list[tuple[float, int, int]], speculative: bool) -> list[
     chunk that covers several steps (the client fell behind and SGLang merged them) counts as that many, each
     at the chunk's time divided by them."""
     out = []
+    counted = speculative and chunks and chunks[-1][2] > 0  # a server that streams no verify count: a chunk a cycle
     for (t0, tok0, ver0), (t1, tok1, ver1) in zip(chunks, chunks[1:]):
-        steps = (ver1 - ver0) if speculative else (tok1 - tok0)
+        steps = (ver1 - ver0 if counted else 1) if speculative else (tok1 - tok0)
         if steps > 0:
             out += [1000 * (t1 - t0) / steps] * steps
     return out
