@@ -48,12 +48,13 @@ def extract_both_ways(tmp_path: Path, make_tokenizer, sglang_ranks: int, tp_size
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs[backend] = run / "features"
     manifest = json.loads((runs["sglang"] / "manifest.json").read_text())
-    assert manifest["meta"]["extra"]["backend"] == "sglang" and manifest["totals"]["rows"] == 24
+    samples = json.loads((runs["sglang"].parent / "data" / "samples" / "manifest.json").read_text())["totals"]["rows"]
+    assert manifest["meta"]["extra"]["backend"] == "sglang" and manifest["totals"]["rows"] == samples > 16
     from data.shards import ShardDataset
     from extract.parity import compare
     report = compare(ShardDataset(runs["hf"]), ShardDataset(runs["sglang"]))
     print(json.dumps(report, indent=1))
-    assert report["samples"] == 24
+    assert report["samples"] == samples  # the demo's conversations less the duplicates the data stage dropped
     return report
 
 

@@ -241,3 +241,56 @@ def test_smoke_on_the_demo(demo_run, tmp_path):
     costs = report["eagle3"]["costs"]  # measured: a cycle (3 drafts + a 4-token verify) costs more than one step
     assert costs["cycle_ms"]["median"] > costs["plain_step_ms"]["median"] > 0
     assert report["baseline_stopped"]["port_free"] and report["eagle3_stopped"]["port_free"]
+
+
+@pytest.mark.parametrize("chunked", [True, False])  # chunked: as uvicorn (SGLang's HTTP server) streams
+def test_streamed_steps_are_timed_as_they_arrive(chunked):
+    """Server.stream against a stand-in SSE endpoint (not SGLang: a local http.server writing /generate's event
+    format): an event every 20 ms is timed at 20 ms, and events that arrive together count as one chunk whose
+    time covers the steps it holds (iter_lines' 512-byte buffering once timed 0.02 ms cycles)."""
+    import http.server
+    import threading
+    import time
+
+    from serve.sglang_server import Server
+
+    class Events(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if chunked else "HTTP/1.0"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            raw_write = self.wfile.write
+            if chunked:
+                self.wfile.write = lambda data: raw_write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+            def event(tokens: int, verify: int) -> bytes:
+                return f"data: {json.dumps({'text': 'x', 'meta_info': {'completion_tokens': tokens, 'spec_verify_ct': verify}})}\n\n".encode()
+            for i in range(1, 7):
+                self.wfile.write(event(3 * i, i))
+                self.wfile.flush()
+                time.sleep(0.02)
+            self.wfile.write(event(21, 7) + event(24, 8))  # two cycles' events in one write
+            self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            if chunked:
+                raw_write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Events)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = object.__new__(Server)
+        server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        chunks = server.stream([1, 2, 3], 24)
+    finally:
+        httpd.shutdown()
+    assert [c[1:] for c in chunks] == [(3, 1), (6, 2), (9, 3), (12, 4), (15, 5), (18, 6), (24, 8)]
+    cycles = step_times(chunks, speculative=True)
+    assert len(cycles) == 7 and all(15 < ms < 40 for ms in cycles[:5]), cycles  # the 20 ms between events
+    assert all(5 < ms < 25 for ms in cycles[5:]), cycles  # 20 ms over the two cycles that arrived together
