@@ -31,9 +31,11 @@ def environment() -> dict:
             versions[name] = None
     gpus = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    # a copy of the tree without .git (a remote machine's checkout) names its commit in EYRIE_COMMIT
-    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("EYRIE_COMMIT")
-    return {"commit": commit, "uncommitted_changes": bool(dirty) if dirty is not None else None,
+    # a copy of the tree sent to another machine names its commit in EYRIE_COMMIT: its .git, where it has one, can
+    # be older than the tree (the GPU machine's reported a stale HEAD with uncommitted changes)
+    named = os.environ.get("EYRIE_COMMIT")
+    return {"commit": named or _run(["git", "rev-parse", "HEAD"]),
+            "uncommitted_changes": None if named or dirty is None else bool(dirty),
             "device": gpus.splitlines() if gpus else [f"cpu: {platform.processor() or platform.machine()}"],
             "cpu_count": _cpu_count(), "python": platform.python_version(), "versions": versions}
 

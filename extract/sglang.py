@@ -10,8 +10,9 @@ flat over the batch's requests. The final state (post-norm, as the hf backend st
 forward hook on the model's final norm. The states stay GPU tensors; nothing of SGLang is
 patched. Every version-specific call is in this module; versions not listed in TESTED_VERSIONS are refused.
 
-Measured on the H200 (tests/benchmarks/RESULTS.md): parity with the hf backend on a 4-layer, hidden-64 Llama min cosine 0.99997 (aux),
-0.99996 (final), bf16; a Llama-3-8B-shaped forward at 75% MFU (transformers: 64.5%). With `extract.tp_size`
+Parity with the hf backend is a GPU test (tests/gpu/test_sglang_extract.py: a 4-layer, hidden-64 Llama, bf16,
+per-layer cosine and max abs difference); no parity on an 8B-shaped target has been measured, and the throughput
+measured before results files existed is in tests/benchmarks/RESULTS.md's git history. With `extract.tp_size`
 > 1 a group of ranks on one node holds one tensor-parallel copy of the target (not yet run on a multi-GPU
 machine: none was lent; `tests/gpu/test_sglang_extract.py::test_sglang_tensor_parallel_features_match_hf_features`
 checks it against the hf backend on 2 GPUs).

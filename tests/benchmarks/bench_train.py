@@ -1,8 +1,16 @@
-"""Drafter training step on one GPU, Eyrie's product path side by side with SpecForge's, in one process
-(not collected by pytest).
+"""Drafter training step on one GPU, Eyrie's product path side by side with SpecForge's, each peer in a fresh
+process of its own on the same inputs (not collected by pytest).
 
     python tests/benchmarks/bench_train.py --shapes llama3-8b,kimi-k2.5 --lengths 2048,8192,16384 \
-        --peers eyrie,specforge [--loader-samples 64] [--json out.json] [--profile] [--memory-profile]
+        --peers eyrie,specforge,specforge-compact [--steps 20] [--record NAME] [--json out.json] \
+        [--loader-samples 64] [--profile] [--memory-profile] [--same-process]
+
+Each (peer, shape) runs in its own Python process (`--same-process` to run them in this one): run after Eyrie in
+one process, SpecForge's llama3-8b 2k step ran 10% slower than alone (Eyrie sets global compile options), which
+moved the same-process ratio between 1.22x and 1.32x with the order. Every row times `--steps` steps one by one
+(each ends in loss.item(), so a step's time is the wall time between them) after one untimed step: tokens/s is the
+median with its min-max, and every step's time is kept. `--record NAME` writes tests/benchmarks/results/NAME.json
+(commands, commit, device, versions, every row and step), which tests/benchmarks/render_results.py renders.
 
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
 the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`; eyrie-recompute-logits: the same with
@@ -11,14 +19,19 @@ so its MFU is lower by the recompute); eyrie-lean: with `train.activation_checkp
 kimi-k2.5 config's setting). specforge (0.2.0, when importable;
 `pip download specforge==0.2.0 --no-deps -d .whl` puts its wheel in the carried `.whl/`, gpu-env.sh installs
 it): `OnlineEagle3Model` over its `LlamaForCausalLMEagle3` with its default flex-attention backend, the offline
-`TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`. Same random inputs: one sequence of T tokens, all
+`TargetHead` + `Eagle3TrainStrategy`, its `BF16Optimizer`; by default its teacher materialises the full-vocabulary
+logits in fp32; specforge-compact: the same with `compact_teacher=True` (its `training.compact_teacher`, the memory
+option for large vocabularies: the teacher projected in exact vocabulary chunks), its best setting for memory.
+Eyrie's teacher computes the head's logits in bf16 2,048 tokens at a time and keeps the draft-vocabulary
+distribution in bf16 (softmax in fp32). Same random inputs: one sequence of T tokens, all
 in the loss, TTT 7, decay 0.8. tokens/s from steps timed end to end (no synchronisation inside a step; the
 phase split comes from one more, synchronised step). Peak memory = torch's max allocated over the timed steps,
 weights and optimizer state included; resident = allocated between steps (weights, gradients, optimizer state).
 
 Useful FLOPs per token (the same count for both): 7 steps x 3 x 2P, P = 2H(nh + 2 kvh) hd + nh hd H + 3 H I +
 H Vd; causal attention 4 nh hd x 3 per (query, key) pair, (T + 1) / 2 + j pairs at step j; fc 2 x 2 x 3 Ht H;
-the teacher's head 2 Ht Vt. MFU divides by the bf16 matmul rate measured in the same process.
+the teacher's head 2 Ht Vt. MFU is shown twice: against the bf16 matmul rate measured in the same process, and
+against the card's dense bf16 peak (989 TFLOP/s for the H100 SXM and the H200).
 
 --profile runs one step at the first T under torch's profiler (host and GPU): top kernels, the host ops that took
 the most launching time, kernels launched and how long the GPU was busy (row key profile; the trace, gzipped, in
@@ -35,6 +48,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +67,7 @@ SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, 
     "kimi-k2.5-kv8": dict(Ht=7168, Vt=163840, H=7168, nh=64, kvh=8, hd=128, I=18432, Vd=32000),
 }
 STEPS, DECAY = 7, 0.8
+DENSE_BF16_PEAK_TFLOPS = 989.0  # H100 SXM and H200: NVIDIA's dense (no sparsity) bf16 tensor-core figure
 # eyrie's variants: (train.activation_checkpointing, train.recompute_logits)
 EYRIE_PEERS = {"eyrie": (False, False), "eyrie-recompute-logits": (False, True), "eyrie-lean": (True, True)}
 
@@ -146,9 +161,10 @@ class Eyrie:
 
 
 class SpecForge:
-    """SpecForge 0.2.0's offline EAGLE-3 step as its trainer runs it on one GPU (no FSDP wrapper)."""
+    """SpecForge 0.2.0's offline EAGLE-3 step as its trainer runs it on one GPU (no FSDP wrapper); with
+    `compact_teacher`, its chunked exact teacher projection (training.compact_teacher)."""
 
-    def __init__(self, s: dict, activation_checkpointing: bool):
+    def __init__(self, s: dict, activation_checkpointing: bool, compact_teacher: bool = False):
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.auto import AutoDraftModel
         from specforge.modeling.target.target_head import TargetHead
@@ -166,7 +182,8 @@ class SpecForge:
         head.fc.weight.data.normal_(0, 0.02)
         head.freeze_weights()
         head = head.eval().to("cuda", torch.bfloat16)
-        self.strategy = Eagle3TrainStrategy(self.model, target_head=head, ploss_decay=DECAY)
+        self.strategy = Eagle3TrainStrategy(self.model, target_head=head, ploss_decay=DECAY,
+                                            **({"compact_teacher": True} if compact_teacher else {}))
         self.optimizer = BF16Optimizer(self.model, lr=1e-4, total_steps=1000)
 
     def step(self, x: Inputs, timer) -> float:
@@ -304,6 +321,9 @@ def profile_step(step, name: str) -> dict:
                                                                        "cuLaunchKernel", "cuLaunchKernelEx"))}
 
 
+SPECFORGE_PEERS = {"specforge": False, "specforge-compact": True}  # peer: compact_teacher
+
+
 def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops: float, ckpt: bool,
              profile: bool = False, memory_profile: bool = False) -> list[dict]:
     s = SHAPES[shape]
@@ -313,7 +333,8 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     before = torch.cuda.memory_allocated()
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
-        runner = SpecForge(s, ckpt) if peer == "specforge" else Eyrie(s, ckpt or own_ckpt, recompute)
+        runner = SpecForge(s, ckpt, SPECFORGE_PEERS[peer]) if peer in SPECFORGE_PEERS else \
+            Eyrie(s, ckpt or own_ckpt, recompute)
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
@@ -324,12 +345,13 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
         try:
             runner.step(x, Timer())  # compiles flex for this length, allocates optimizer state
             torch.cuda.reset_peak_memory_stats()
-            losses = []
+            losses, step_seconds = [], []
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):  # step() ends in loss.item(): each step waits for the previous one
+            for _ in range(iters):  # step() ends in loss.item(): each step's wall time is its own
+                t0 = time.perf_counter()
                 losses.append(runner.step(x, Timer(sync=False)))
-            sec = (time.perf_counter() - t0) / iters
+                step_seconds.append(time.perf_counter() - t0)
+            sec = statistics.median(step_seconds)
             timer = Timer()
             runner.step(x, timer)
             resident = torch.cuda.memory_allocated()  # between steps: weights, gradients, optimizer state
@@ -342,9 +364,12 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
         if memory_profile and T == lengths[0]:
             row["live_at_peak"] = memory_at_peak(lambda: runner.step(x, Timer(sync=False)))
         row |= {"seconds": round(sec, 4), "tokens_per_s": round(T / sec),
+                "tokens_per_s_min": round(T / max(step_seconds)), "tokens_per_s_max": round(T / min(step_seconds)),
+                "step_seconds": [round(t, 5) for t in step_seconds],
                 "peak_gib": round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 2),
                 "resident_gib": round((resident - before) / 2 ** 30, 2),
                 "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
+                "mfu_of_dense_peak": round(useful_flops(s, T) / sec / 1e12 / DENSE_BF16_PEAK_TFLOPS, 3),
                 "split_ms": {k: round(v * 1e3, 1) for k, v in timer.seconds.items()},
                 # host time close to a phase's time: the GPU waited for launches (CUDA graphs, fewer kernels)
                 "split_host_ms": {k: round(v * 1e3, 1) for k, v in timer.host.items()},
@@ -354,7 +379,7 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
         rows.append(row)
         print(json.dumps(row), flush=True)
     runner.close()
-    del runner
+    runner = None  # its memory goes before the next peer
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -401,12 +426,41 @@ def loader_stall(shape: str, T: int, samples: int) -> dict:
             "loader_stall_fraction": round(waited / total, 4), "step_seconds": round(total / (samples - 1), 4)}
 
 
+def child_rows(peer: str, shape: str, a: argparse.Namespace) -> list[dict]:
+    """One (peer, shape) in a fresh interpreter: no compile settings, allocator state or caches of another peer."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "rows.json"
+        cmd = [sys.executable, __file__, "--child", "--peers", peer, "--shapes", shape, "--lengths", a.lengths,
+               "--steps", str(a.steps), "--json", str(out)] + (["--activation-checkpointing"]
+                                                               if a.activation_checkpointing else []) \
+            + (["--profile"] if a.profile else []) + (["--memory-profile"] if a.memory_profile else [])
+        done = subprocess.run(cmd)
+        if done.returncode != 0 or not out.exists():
+            return [{"peer": peer, "shape": shape, "error": f"child process exited with {done.returncode}"}]
+        return json.loads(out.read_text())["rows"]
+
+
+def record(name: str, argv: list[str], out: dict) -> Path:
+    """tests/benchmarks/results/NAME.json: what render_results.py renders into RESULTS.md."""
+    from data.environment import environment
+    env = environment()
+    path = Path(__file__).parent / "results" / f"{name}.json"
+    path.write_text(json.dumps({"name": name, "kind": "train_step", "date": time.strftime("%Y-%m-%d"),
+                                "commands": [" ".join(["python", "tests/benchmarks/bench_train.py", *argv])],
+                                "commit": env["commit"], "environment": env, "notes": [], "invalid": {},
+                                "results": out}, indent=1) + "\n")
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="llama3-8b,kimi-k2.5")
     p.add_argument("--lengths", default="2048,8192,16384")
     p.add_argument("--peers", default="eyrie,specforge")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row (after one untimed step)")
+    p.add_argument("--same-process", action="store_true", help="every peer in this process (not comparable)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--record", default=None, metavar="NAME", help="write tests/benchmarks/results/NAME.json")
     p.add_argument("--activation-checkpointing", action="store_true", help="eyrie: recompute the layer per step")
     p.add_argument("--loader-samples", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -417,23 +471,32 @@ def main() -> None:
     a = p.parse_args()
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
-    known = {*EYRIE_PEERS, "specforge"}
+    known = {*EYRIE_PEERS, *SPECFORGE_PEERS}
     if set(peers) - known:  # before any GPU work
         raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
-    from train.main import setup_distributed
-    setup_distributed()
-    peak = matmul_tflops()
-    out = {"peak_bf16_matmul_tflops": round(peak, 1), "torch": torch.__version__, "rows": []}
-    print(json.dumps(out), flush=True)
-    for shape in a.shapes.split(","):
-        for peer in peers:
-            ckpt = a.activation_checkpointing and peer.startswith("eyrie")
-            out["rows"] += run_peer(peer, shape, lengths, a.iters, peak, ckpt, a.profile, a.memory_profile)
+    out = {"dense_bf16_peak_tflops": DENSE_BF16_PEAK_TFLOPS, "torch": torch.__version__, "steps": a.steps,
+           "isolated": not (a.same_process or a.child), "rows": []}
+    if out["isolated"]:  # this process starts no CUDA context: each child measures its own matmul rate
+        for shape in a.shapes.split(","):
+            for peer in peers:
+                out["rows"] += child_rows(peer, shape, a)
+    else:
+        from train.main import setup_distributed
+        setup_distributed()
+        out["peak_bf16_matmul_tflops"] = peak = round(matmul_tflops(), 1)
+        print(json.dumps(out), flush=True)
+        for shape in a.shapes.split(","):
+            for peer in peers:
+                ckpt = a.activation_checkpointing and peer.startswith("eyrie")
+                rows = run_peer(peer, shape, lengths, a.steps, peak, ckpt, a.profile, a.memory_profile)
+                out["rows"] += [r | {"peak_bf16_matmul_tflops": peak} for r in rows]
     if a.loader_samples:
         out["loader"] = loader_stall(a.shapes.split(",")[0], 2048, a.loader_samples)
         print(json.dumps(out["loader"]), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+    if a.record:
+        print(f"recorded {record(a.record, sys.argv[1:], out)}")
 
 
 if __name__ == "__main__":

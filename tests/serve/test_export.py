@@ -52,7 +52,7 @@ def test_export_round_trip(stage, exported, zero2_run, zero3_run):
     summary = json.loads((run / "train" / "summary.json").read_text())
     tau3 = 1 + sum(summary["eval"][f"p_accepted_through_step{j}"] for j in range(3))
     # the figure quoted is the one for the chain of the serve command it prints (TTT trained 3 steps here)
-    assert f"for the serve command below\n  (3 steps / top-k 1 / 4 draft tokens)" in card and f"**{tau3:.3f}**" in card
+    assert "for the serve command below\n  (3 steps / top-k 1 / 4 draft tokens)" in card and f"**{tau3:.3f}**" in card
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1\n--speculative-num-draft-tokens 4" in card
     assert "held-out overlap with\n  training: 0" in card
     if HAVE_SGLANG:

@@ -1,0 +1,164 @@
+"""Render tests/benchmarks/RESULTS.md from the results files in tests/benchmarks/results/ (one JSON per measurement:
+commands, commit, device, versions, every repeat). Edit the JSON (or rerun the benchmark), never RESULTS.md: a test
+(tests/test_results.py) fails when the file differs from what this renders.
+
+    python tests/benchmarks/render_results.py           # rewrites RESULTS.md
+    python tests/benchmarks/render_results.py --check   # exit 1 when RESULTS.md is stale
+
+A figure is a median with its min-max over the repeats; a speedup is median over median, its range pairing the
+extremes, and "no measurable difference" when that range holds 1.0. Each kind of results file has a renderer below
+(RENDERERS); a new benchmark is a recorder writing its JSON plus a renderer here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS, OUT = HERE / "results", HERE / "RESULTS.md"
+HEADER = """# Benchmark results
+
+Rendered by `python tests/benchmarks/render_results.py` from the JSON files in `tests/benchmarks/results/` (each holds
+the commands, the commit, the device, the library versions and every repeat); do not edit by hand. Figures are
+medians with their min-max over the repeats; a speedup is the median over the baseline's median, its range pairing
+the repeats' extremes, and a range that holds 1.0 reads "no measurable difference". Ratios are taken within one
+run on one machine. Measurements recorded before results files existed are in this file's git history (up to commit
+9919528); nothing quotes them.
+"""
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt(s: dict, digits: int = 1) -> str:
+    return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
+
+
+def speedup(eagle: list[float], base: list[float]) -> str:
+    e, b = spread(eagle), spread(base)
+    r = {"median": e["median"] / b["median"], "min": e["min"] / b["max"], "max": e["max"] / b["min"]}
+    word = "faster" if r["min"] > 1 else "slower" if r["max"] < 1 else "no measurable difference"
+    return f"{word}: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def provenance(record: dict) -> list[str]:
+    env = record["environment"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    lines = [f"Recorded {record['date']} from `tests/benchmarks/results/{record['name']}.json`; commit "
+             f"`{record['commit'][:10]}`; device: {'; '.join(env['device'])} ({env['cpu_count']} CPU cores); "
+             f"Python {env['python']}, {versions}.", "", "Commands:"]
+    lines += [f"- `{c}`" for c in record["commands"]]
+    lines += [""] + [f"Note: {n}" for n in record.get("notes", [])]
+    lines += [f"Not to be quoted: `{k}`: {why}." for k, why in record.get("invalid", {}).items()]
+    return lines + [""]
+
+
+def render_mission(record: dict) -> list[str]:
+    r = record["results"]
+    split, prompts, target = r["split"], r["prompts"], r["target"]
+    out = [f"## Mission-scale run ({record['date']})", ""] + provenance(record)
+    out += ["### Data and split", "",
+            f"- Target (`launch/mission_target.py`): {target['parameters']:,} parameters, {target['step']:,} steps, "
+            f"{target['tokens']:,} tokens, final loss {target['final_loss']}, {target['tokens_per_s_this_run']:,} "
+            f"tokens/s ({target['model_tflops_this_run']} model TFLOP/s, compiled: {target['compiled']}); trained on "
+            f"{target['dialogues']:,} dialogues and the stdlib sources ({target['corpus_tokens']:,} tokens).",
+            f"- Drafter prompts: {prompts['drafter_rows']:,} rows, {prompts['drafter_distinct_prompts']:,} distinct "
+            f"({prompts['rows_by_group']}); occurring in the target's own dialogues: "
+            f"{prompts['drafter_prompts_in_target_dialogues']}. Rule: {prompts['rule']}.",
+            f"- Split (`data/split.py`, fraction {split['fraction']}): {split['conversations_read']:,} read, "
+            f"{split['distinct_conversations']:,} distinct, excluded {split['excluded'] or 'none'}; "
+            f"{split['training_samples']:,} training / {split['heldout_samples']} held-out samples "
+            f"({split['heldout_prompts']} distinct held-out prompts; groups {split['groups']}); "
+            f"**held-out overlap with training: {split['heldout_overlap_with_training']}**. Rule: {split['rule']}.",
+            f"- Data: {r['data']['rows']:,} samples, {r['data']['tokens']:,} tokens ({r['data']['loss_tokens']:,} "
+            f"with loss); training {r['train']['steps']} steps, {r['train']['tokens']:,} tokens.",
+            "- Stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items()) + ".", ""]
+    out += [f"### Accept length by held-out group ({r['chain']})", "",
+            "Tokens per target verify step (SGLang's `spec_accept_length`): completion tokens / verify steps over the "
+            "group's first prompts (64 new tokens each; deterministic counts of one greedy pass, so no repeats). "
+            "Offline (same prompts): their stored answers decoded on their features; offline tau: mean over every "
+            "held-out position of the group.", "",
+            "| group | prompts (tokens) | SGLang | reference decoder | offline, same prompts | offline tau, all "
+            "positions | untrained drafter (reference) | output = plain server | = reference decoder |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for group, a in r["accept_length"].items():
+        out.append(f"| {group} ({a['heldout_samples']} held-out samples) | {a['prompts']} ({a['completion_tokens']}) | "
+                   f"**{a['sglang']:.3f}** | {a['reference_decoder']:.3f} | {a['offline_same_prompts']:.3f} | "
+                   f"{a['offline_tau']:.3f} | {a['reference_decoder_untrained']:.3f} | "
+                   f"{a['parity_with_plain_server']:.0%} | {a['token_parity_with_reference_decoder']:.0%} |")
+    t = r["timing"]
+    out += ["", f"### Throughput, plain vs EAGLE3 ({r['chain']})", "",
+            f"Tokens/s, {len(next(iter(r['throughput'].values()))['baseline'])} passes of at least "
+            f"{t['pass_seconds']:g} s per server and concurrency (c clients, each sending the '{t['prompts']}' "
+            f"prompts in turn, {t['max_new_tokens']} new tokens at most, greedy):", "",
+            "| concurrency | plain | EAGLE3 | speedup |", "|---|---|---|---|"]
+    for c, v in r["throughput"].items():
+        out.append(f"| {c} | {fmt(spread(v['baseline']))} | {fmt(spread(v['eagle3']))} | "
+                   f"{speedup(v['eagle3'], v['baseline'])} |")
+    costs = "step_costs" in record.get("invalid", {})
+    out += ["", "Plain decode step and speculative cycle: " + (
+        "not measured by this run (see above)." if costs else
+        f"step {fmt(r['step_costs']['plain_step_ms'], 3)} ms, cycle {fmt(r['step_costs']['cycle_ms'], 3)} ms."), ""]
+    return out
+
+
+def render_train_step(record: dict) -> list[str]:
+    r = record["results"]
+    out = [f"## Drafter training step, side by side with SpecForge ({record['date']})", ""] + provenance(record)
+    out += [f"One GPU; each peer in a process of its own on the same random inputs; {r['steps']} timed steps per row "
+            "after an untimed one: tokens/s median (min-max over the steps), the ratio to Eyrie's (Eyrie / peer, "
+            "median over median, range pairing the extremes). Peak: max allocated over the timed steps, weights and "
+            "optimizer state included. MFU: useful FLOPs / step time against the bf16 matmul rate measured in the "
+            f"row's process and against the dense bf16 peak ({r['dense_bf16_peak_tflops']:g} TFLOP/s).", "",
+            "| shape | T | peer | tokens/s | Eyrie / peer | peak GiB | resident GiB | MFU (measured rate) | "
+            "MFU (dense peak) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [row for row in r["rows"] if "error" not in row]
+    for row in rows:
+        eyrie = next((e for e in rows if e["peer"] == "eyrie" and e["shape"] == row["shape"] and e["T"] == row["T"]),
+                     None)
+        versus = "" if eyrie is None or row is eyrie else \
+            speedup([row["T"] / t for t in eyrie["step_seconds"]], [row["T"] / t for t in row["step_seconds"]])
+        out.append(f"| {row['shape']} | {row['T']:,} | {row['peer']} | {row['tokens_per_s']:,} "
+                   f"({row['tokens_per_s_min']:,}-{row['tokens_per_s_max']:,}) | {versus} | {row['peak_gib']} | "
+                   f"{row['resident_gib']} | {row['mfu']:.1%} of {row['peak_bf16_matmul_tflops']:g} | "
+                   f"{row['mfu_of_dense_peak']:.1%} |")
+    out += [f"- {row['peer']} {row['shape']} T={row.get('T', '-')}: {row['error']}" for row in r["rows"]
+            if "error" in row]
+    return out + [""]
+
+
+RENDERERS = {"mission": render_mission, "train_step": render_train_step}
+
+
+def render(results: Path = RESULTS) -> str:
+    records = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
+    lines = [HEADER]
+    for kind in RENDERERS:  # a section per kind, newest first
+        for record in sorted((r for r in records if r["kind"] == kind), key=lambda r: r["date"], reverse=True):
+            lines += RENDERERS[kind](record)
+    unknown = {r["kind"] for r in records} - set(RENDERERS)
+    if unknown:
+        raise SystemExit(f"no renderer for results of kind {sorted(unknown)}: add one to RENDERERS")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="exit 1 when RESULTS.md differs from the rendering")
+    a = p.parse_args(argv)
+    text = render()
+    if a.check:
+        stale = not OUT.exists() or OUT.read_text() != text
+        print(f"{OUT}: {'stale: run python tests/benchmarks/render_results.py' if stale else 'up to date'}")
+        return int(stale)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

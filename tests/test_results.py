@@ -1,0 +1,51 @@
+"""Raw results are committed and RESULTS.md is rendered from them: a hand edit, or a results file whose table was
+not rendered again, fails here; so does a results file without its provenance."""
+import json
+from pathlib import Path
+
+from tests.benchmarks import render_results
+
+RESULTS = Path(render_results.__file__).parent / "results"
+
+
+def test_results_md_is_what_the_results_files_render():
+    assert render_results.OUT.read_text() == render_results.render(), \
+        "tests/benchmarks/RESULTS.md is stale: run python tests/benchmarks/render_results.py"
+
+
+def test_every_results_file_says_where_it_came_from_and_keeps_every_repeat():
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        record = json.loads(path.read_text())
+        assert record["name"] == path.stem and record["kind"] in render_results.RENDERERS
+        assert record["commands"] and len(record["commit"]) == 40
+        env = record["environment"]
+        assert env["device"] and env["versions"]["torch"], path
+        for c, runs in record["results"].get("throughput", {}).items():
+            assert len(runs["baseline"]) >= 3 and len(runs["eagle3"]) >= 3, (path, c)  # every repeat, not a median
+            assert all(p["seconds"] >= 10 for p in runs["baseline_passes"] + runs["eagle3_passes"]), (path, c)
+
+
+def test_a_speedup_whose_range_holds_one_is_no_measurable_difference():
+    assert render_results.speedup([110, 120, 130], [100, 101, 102]).startswith("faster: 1.19x (1.08-1.30)")
+    assert render_results.speedup([90, 120, 130], [100, 101, 102]).startswith("no measurable difference")
+    assert render_results.speedup([80, 85, 90], [100, 101, 102]).startswith("slower")
+
+
+def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
+    """A stand-in record (not a measurement: made-up step times) through the train_step renderer."""
+    def row(peer: str, seconds: list[float]) -> dict:
+        ordered = sorted(seconds)
+        return {"peer": peer, "shape": "llama3-8b", "T": 2048, "step_seconds": seconds,
+                "tokens_per_s": round(2048 / ordered[len(ordered) // 2]), "tokens_per_s_min": round(2048 / max(seconds)),
+                "tokens_per_s_max": round(2048 / min(seconds)), "peak_gib": 30.1, "resident_gib": 4.2, "mfu": 0.41,
+                "mfu_of_dense_peak": 0.33, "peak_bf16_matmul_tflops": 790.0}
+    record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python bench_train.py"],
+              "environment": {"device": ["NVIDIA H100"], "cpu_count": 16, "python": "3.12", "versions": {"torch": "2"}},
+              "results": {"steps": 3, "dense_bf16_peak_tflops": 989.0,
+                          "rows": [row("eyrie", [0.10, 0.11, 0.12]), row("specforge", [0.13, 0.14, 0.15]),
+                                   {"peer": "specforge-compact", "shape": "llama3-8b", "error": "not importable"}]}}
+    text = "\n".join(render_results.render_train_step(record))
+    assert "| llama3-8b | 2,048 | specforge | 14,629 (13,653-15,754) | faster: 1.27x (1.08-1.50) |" in text
+    assert "41.0% of 790 | 33.0% |" in text and "specforge-compact llama3-8b T=-: not importable" in text
