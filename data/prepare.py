@@ -13,7 +13,7 @@ from .chat import ChatTokenizer
 from .config import EyrieConfig
 from .conversations import MalformedSample, SkipReport, load_conversations
 from .shards import ShardMeta, ShardWriter, write_manifest
-from .split import SplitRecord, plan_split, write_split
+from .split import SplitRecord, plan_split, split_line, write_split
 from .target import load_target_info
 from .vocab import TokenCounter, save_draft_vocab
 
@@ -83,10 +83,7 @@ def prepare(cfg: EyrieConfig) -> dict:
     print(f"data: {report.summary()}")
     for line in report.examples[:5]:
         print(f"  skipped {line}")
-    print(f"data: {split_summary['training_samples']} training / {split_summary['heldout_samples']} held-out samples "
-          f"({split_summary['heldout_prompts']} distinct held-out prompts, groups "
-          f"{ {g: v['samples'] for g, v in split_summary['groups'].items()} }), {split_summary['distinct_conversations']} "
-          f"distinct conversations of {split_summary['conversations_read']}, excluded {split_summary['excluded']}, held-out overlap with training {split_summary['heldout_overlap_with_training']}")
+    print(f"data: {split_line(split_summary)}")
     print(f"data: {totals['rows']} samples, {totals['tokens']} tokens ({totals['loss_tokens']} with loss), "
           f"draft vocab {vocab['draft_vocab_size']} covers {vocab['coverage']:.1%} of loss tokens → {layout.data}")
     return manifest

@@ -142,9 +142,18 @@ class SplitRecord:
                 "training_samples": self.training_samples,
                 "heldout_samples": len(self.heldout),
                 "heldout_prompts": len({text_key(prompt_of_messages(r["prompt"])) for r in self.heldout}),
-                "groups": {k: {"samples": v["samples"], "prompts": len(v["prompts"])} for k, v in sorted(groups.items())},
+                "groups": {k: {"samples": v["samples"], "prompts": len(v["prompts"])}
+                           for k, v in sorted(groups.items())},
                 "heldout_overlap_with_training": overlap(self.heldout, self.training_message_keys),
                 "heldout": [{k: r[k] for k in ("id", "group", "prompt")} for r in self.heldout]}
+
+
+def split_line(split: dict) -> str:
+    groups = {g: v["samples"] for g, v in split["groups"].items()}
+    return (f"{split['training_samples']} training / {split['heldout_samples']} held-out samples "
+            f"({split['heldout_prompts']} distinct held-out prompts, by group {groups}); "
+            f"{split['distinct_conversations']} distinct conversations of {split['conversations_read']}, excluded "
+            f"{split['excluded'] or 'none'}; held-out overlap with training {split['heldout_overlap_with_training']}")
 
 
 def overlap(heldout: list[dict], training_message_keys: set[int]) -> int:

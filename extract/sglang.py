@@ -1,4 +1,5 @@
-"""The SGLang backend (extract/backend.py's protocol): the target runs in SGLang's own model code, weight loader and kernels, in-process.
+"""The SGLang backend (extract/backend.py's protocol): the target runs in SGLang's own model code, weight loader and
+kernels, in-process.
 
 The numerics that will serve are the numerics the drafter learns from. SGLang is driven the way its own
 `sglang.bench_one_batch` drives it (one `ModelRunner` per rank; `ScheduleBatch.init_new` →

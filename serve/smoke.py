@@ -283,8 +283,8 @@ def compare(report: dict, a: argparse.Namespace) -> dict:
         measured |= {"chain": chain(n), "parity": parity(measured, base),
                      "accept_length_by_group": {g: r["accept_length"] for g, r in measured["groups"].items()},
                      "speedup": speedup, "verdict": {c: verdict(r) for c, r in speedup.items()},
-                     "costs": cycle_costs(base["step_ms"], measured["step_ms"], measured["groups"][timed]["accept_length"],
-                                          n)}
+                     "costs": cycle_costs(base["step_ms"], measured["step_ms"],
+                                          measured["groups"][timed]["accept_length"], n)}
     report["parity"] = report["eagle3"]["parity"]["all"]
     report["verdict"] = report["eagle3"]["verdict"]
     if a.deterministic_parity and "deterministic" not in report:
@@ -303,8 +303,8 @@ def compare(report: dict, a: argparse.Namespace) -> dict:
 
 def print_report(report: dict, a: argparse.Namespace) -> None:
     base = report["baseline"]
-    print(f"timing: {a.repeats} passes of >= {a.pass_seconds:g} s per concurrency, {a.timing_max_new_tokens} new tokens "
-          f"a request; {report['speedup_formula']}")
+    print(f"timing: {a.repeats} passes of >= {a.pass_seconds:g} s per concurrency, {a.timing_max_new_tokens} new "
+          f"tokens a request; {report['speedup_formula']}")
     for name, n in zip(spec_names(a.steps), a.steps):
         m = report[name]
         print(f"{m['chain']}: parity with the plain server " + ", ".join(f"{g} {v:.0%}" for g, v in m["parity"].items())
@@ -318,8 +318,8 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
         costs = m["costs"]
         be = costs["break_even_accept_length"]
         print(f"  single request: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
-              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} cycles) → break-even accept "
-              f"length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {n + 1}; limited by "
+              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} cycles) → break-even "
+              f"accept length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {n + 1}; limited by "
               f"{costs['limited_by']}")
     if "error" in report.get("deterministic", {}):
         print(f"--enable-deterministic-inference: no parity check, {report['deterministic']['error'][:300]}")
@@ -386,7 +386,8 @@ def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
                   "offline_evaluator_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1]}
         same = [x == y for x, y in zip(measured["output_ids"], [r["output_ids"] for r in decoded["prompts"]])]
         out[group] = {"chain": f"{steps} steps / top-k 1 / {steps + 1} draft tokens",
-                      "accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1} for k, v in values.items()},
+                      "accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1}
+                                        for k, v in values.items()},
                       "token_parity_with_reference_decoder": sum(same) / max(len(same), 1),
                       "reference_decoder_device": decoded["device"], "prompts_compared": len(same)}
         if any(same):

@@ -38,7 +38,8 @@ def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
     def row(peer: str, seconds: list[float]) -> dict:
         ordered = sorted(seconds)
         return {"peer": peer, "shape": "llama3-8b", "T": 2048, "step_seconds": seconds,
-                "tokens_per_s": round(2048 / ordered[len(ordered) // 2]), "tokens_per_s_min": round(2048 / max(seconds)),
+                "tokens_per_s": round(2048 / ordered[len(ordered) // 2]),
+                "tokens_per_s_min": round(2048 / max(seconds)),
                 "tokens_per_s_max": round(2048 / min(seconds)), "peak_gib": 30.1, "resident_gib": 4.2, "mfu": 0.41,
                 "mfu_of_dense_peak": 0.33, "peak_bf16_matmul_tflops": 790.0}
     record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python bench_train.py"],

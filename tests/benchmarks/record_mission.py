@@ -39,7 +39,8 @@ def mission_results(root: Path) -> dict:
             "offline_same_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1],
             "offline_tau": offline["accept_length_by_steps"][steps - 1],
             "reference_decoder_untrained": evaluate["decode"][untrained][group]["accept_length"],
-            "heldout_samples": evaluate["groups"][group]["samples"], "heldout_tokens": evaluate["groups"][group]["tokens"],
+            "heldout_samples": evaluate["groups"][group]["samples"],
+            "heldout_tokens": evaluate["groups"][group]["tokens"],
             "parity_with_plain_server": smoke["eagle3"]["parity"][group],
             "token_parity_with_reference_decoder": smoke["reference"][group]["token_parity_with_reference_decoder"],
             "reference_decoder_identical_to_greedy": decoded["identical_to_greedy"]}

@@ -37,6 +37,7 @@ def test_yaml_and_overrides(cfg_file):
     (["--bogus.key", "1"], "bogus: unknown key"),
     (["--target.aux_layer_ids", "[1, 2]"], "target.aux_layer_ids: Value error, EAGLE-3 drafters read exactly 3 layers"),
     (["--target.aux_layer_ids", "[1, 2, 3, 4]"], "got 4 ids"),
+    (["--train.eval_fraction", "0.1"], "train.eval_fraction is now data.heldout_fraction"),  # a moved key says where
 ])
 def test_errors_name_the_key(cfg_file, args, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

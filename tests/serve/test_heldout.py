@@ -1,0 +1,38 @@
+"""The evaluate stage reports held-out figures only for a split that holds: no held-out prompt in the training data,
+and a drafter trained with this very split."""
+import json
+
+import pytest
+
+from data.layout import RunLayout
+from data.split import HeldOutLeak, split_digest
+from serve.evaluate import heldout_prompts, heldout_record
+
+
+def write_run(tmp_path, overlap: int, trained_digest: str | None) -> RunLayout:
+    layout = RunLayout(tmp_path)
+    layout.data.mkdir(parents=True)
+    prompt = [{"role": "user", "content": "What is 9 minus 4?"}]
+    split = {"rule": "by prompt", "heldout_overlap_with_training": overlap,
+             "groups": {"sampled": {"samples": 3, "prompts": 2}},
+             "heldout": [{"id": "a", "group": "sampled", "prompt": prompt},
+                         {"id": "b", "group": "sampled", "prompt": prompt},  # the same prompt, another answer
+                         {"id": "c", "group": "sampled", "prompt": [{"role": "user", "content": "Spell cat."}]}]}
+    layout.split.write_text(json.dumps(split))
+    if trained_digest is not None:
+        layout.train.mkdir()
+        layout.train_summary.write_text(json.dumps({"split": {"digest": trained_digest}}))
+    return layout
+
+
+def test_a_leak_or_another_split_is_refused_and_prompts_are_distinct(tmp_path):
+    layout = write_run(tmp_path / "ok", 0, None)
+    digest = split_digest(json.loads(layout.split.read_text()))
+    layout.train.mkdir()
+    layout.train_summary.write_text(json.dumps({"split": {"digest": digest}}))
+    assert heldout_record(layout)["heldout_overlap_with_training"] == 0
+    assert [i for i, _ in heldout_prompts(layout.root, "sampled", 5)] == ["a", "c"]  # each prompt once
+    with pytest.raises(HeldOutLeak, match="1 held-out samples have a prompt that occurs in the training data"):
+        heldout_record(write_run(tmp_path / "leak", 1, digest))
+    with pytest.raises(HeldOutLeak, match="trained with another held-out split"):
+        heldout_record(write_run(tmp_path / "other", 0, "0123"))
