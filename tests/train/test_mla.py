@@ -145,7 +145,10 @@ def test_both_drafters_end_to_end_on_a_trained_tiny_deepseek_target(arch, deepse
     drafter = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert drafter["architectures"] == [{"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[arch]]
     assert report["lossless"] is True
-    assert report["accept_length"] > report["accept_length_untrained"] + 0.8, report
+    # held-out prompts unseen in training (data/split.py): measured 1.72 (llama) and 1.67 (mla) against 1.06
+    # untrained on CPU; before the content split, when most held-out prompts also sat in training data, +0.8 and more
+    assert report["accept_length"] > report["accept_length_untrained"] + 0.45, report
+    assert report["heldout"]["heldout_overlap_with_training"] == 0
 
 
 KIMI_TEXT = {  # Kimi-K2.5's language model (DeepseekV3 architecture), as its config.json's text_config names it
