@@ -60,7 +60,9 @@ def sglang_config(config: LlamaConfig) -> dict:
     return out
 
 
-def read_config(directory: str | Path) -> LlamaConfig:
+def read_config(directory: str | Path, default_layer_ids: list[int] | None = None) -> LlamaConfig:
+    """A drafter's config.json. Its aux layer ids are read, never assumed: a config that names none takes
+    `default_layer_ids` only when the caller passes them (SGLang's default for the target it will serve on)."""
     path = Path(directory) / "config.json"
     raw = read_json(path)
     if raw is None:
@@ -69,9 +71,13 @@ def read_config(directory: str | Path) -> LlamaConfig:
     if missing:
         raise DrafterDirError(f"{path}: no {', '.join(missing)}")
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
+    if not ids and default_layer_ids:
+        raw["eagle_config"] = dict(raw.get("eagle_config") or {}) | {"eagle_aux_hidden_state_layer_ids":
+                                                                     list(default_layer_ids)}
+    elif not ids:
         raise DrafterDirError(f"{path}: no eagle_config.eagle_aux_hidden_state_layer_ids; an imported drafter's "
-                              "layer ids are read, never assumed")
+                              "layer ids are read, never assumed (import with --target TARGET to take the ids "
+                              "SGLang uses for that target when a drafter names none)")
     raw.setdefault("target_hidden_size", raw["hidden_size"])
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
     if getattr(config, "head_dim", None) is None:

@@ -1,14 +1,15 @@
 """Export a trained drafter for SGLang, or import a third-party one.
 
     python -m serve.export --checkpoint RUN_DIR [--tag latest|best|stepN] --out DRAFTER_DIR
-    python -m serve.export --from-sglang DIR --out DRAFTER_DIR
+    python -m serve.export --from-sglang DIR --out DRAFTER_DIR [--target TARGET]
     python -m serve.export --untrained-like DRAFTER_DIR --out DIR [--seed 0]
 
 Export consolidates the DeepSpeed checkpoint (any ZeRO stage, with DeepSpeed's zero_to_fp32), writes
 `config.json` + `model.safetensors` (bf16 weights, int64 `d2t`, bool `t2d`) + a model card, validates the key
 set, shapes, vocab and layer ids, and then, when sglang is importable, loads the directory through SGLang's
-own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config),
-validates it the same way and writes it in this layout: `train.warm_start` and `serve.evaluate` take it.
+own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config; with `--target`, a config naming none takes
+SGLang's default ids for that target), validates it the same way and writes it in this layout, its weights in
+their stored dtype: `train.warm_start` (which keeps its RoPE and norm settings) and `serve.evaluate` take it.
 `--untrained-like` writes a freshly initialised drafter of the same shape, vocab and layer ids: the baseline
 that shows what training bought.
 """
@@ -23,9 +24,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from data.files import atomic_write_json
+from data.files import atomic_write_json, read_json
 from data.layout import RunLayout
 from data.shards import read_manifest
+from data.target import declared_dtype, load_target_info
 from train.drafters import arch_of
 
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
@@ -51,8 +53,10 @@ def consolidate(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag, exclude_frozen_parameters=True)
 
 
-def write_drafter_dir(out: Path, config: LlamaConfig, tensors: dict[str, torch.Tensor], card: str) -> None:
-    tensors = {k: v.to(torch.bfloat16).contiguous() if v.is_floating_point() else v.contiguous()
+def write_drafter_dir(out: Path, config: LlamaConfig, tensors: dict[str, torch.Tensor], card: str,
+                      weights_dtype: torch.dtype | None = torch.bfloat16) -> None:
+    """The directory, written whole or not at all; floating tensors in `weights_dtype` (None: as they are)."""
+    tensors = {k: v.to(weights_dtype or v.dtype).contiguous() if v.is_floating_point() else v.contiguous()
                for k, v in tensors.items()}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
     validate(config, tensors, str(out))
@@ -120,18 +124,41 @@ def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bo
     return report
 
 
-def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = True) -> dict:
-    """A published drafter into this layout; `t2d` is derived from `d2t` when the publisher left it out."""
-    config, tensors = read_config(src), read_tensors(src)
+def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = True,
+                  target: str | Path | None = None) -> dict:
+    """A published drafter into this layout, kept as it was: weights in their stored dtype, its RoPE and norm
+    settings, its layer ids (with `target`, a config naming none takes SGLang's default ids for that target).
+    `t2d` is derived from `d2t` when the publisher left it out; an `embed_tokens.weight` SGLang would replace by
+    the target's (hidden sizes equal) is dropped. Every such change is listed in the report and the model card."""
+    notes = []
+    default_ids = load_target_info(target).aux_layer_ids(None) if target else None
+    config, tensors = read_config(src, default_ids), read_tensors(src)
+    raw = read_json(Path(src) / "config.json")  # read_config has checked it exists
+    raw_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not raw_ids and default_ids:
+        notes.append(f"its config names no aux layer ids: took {default_ids}, the layers SGLang captures for a "
+                     f"drafter without ids on {target} (set_eagle3_layers_to_capture(None))")
     if "d2t" in tensors and "t2d" not in tensors:
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[torch.arange(len(tensors["d2t"])) + tensors["d2t"]] = True
         tensors["t2d"] = t2d
+        notes.append("t2d derived from d2t")
+    if "embed_tokens.weight" in tensors and "embed_tokens.weight" not in expected_shapes(config):
+        del tensors["embed_tokens.weight"]
+        notes.append("embed_tokens.weight dropped: its hidden size is the target's, and SGLang serves an EAGLE-3 "
+                     "drafter with the target's embedding then (Eyrie's evaluation does the same)")
     validate(config, tensors, str(src))
-    card = f"# EAGLE-3 drafter imported from `{src}`\n\nAux layer ids (read from its config): " \
-           f"{config.eagle_config['eagle_aux_hidden_state_layer_ids']}\n"
-    write_drafter_dir(Path(out), config, tensors, card)
-    report = {"drafter": str(out), "imported_from": str(src), "tensors": len(tensors)}
+    stored = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
+    declared = declared_dtype(raw)
+    if declared and stored != [declared]:
+        notes.append(f"weights stored as {', '.join(stored)} while its config declares {declared}: kept as stored "
+                     f"(SGLang casts them to the dtype it serves in)")
+    card = f"# EAGLE-3 drafter imported from `{src}`\n\nAux layer ids: " \
+           f"{config.eagle_config['eagle_aux_hidden_state_layer_ids']}; weights {', '.join(stored)}\n" + \
+        "".join(f"\n- {n}" for n in notes) + ("\n" if notes else "")
+    write_drafter_dir(Path(out), config, tensors, card, weights_dtype=None)
+    report = {"drafter": str(out), "imported_from": str(src), "tensors": len(tensors), "weights_dtype": stored,
+              "changes": notes}
     if check_with_sglang:
         report["sglang_check"] = maybe_check_with_sglang(Path(out))
     return report
@@ -168,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--from-sglang", help="a published EAGLE-3 drafter directory to import")
     src.add_argument("--untrained-like", help="an exported drafter whose shape an untrained drafter takes")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed for --untrained-like")
+    p.add_argument("--target", help="--from-sglang: the target it will serve on (a drafter naming no layer ids "
+                                    "takes SGLang's default ids for it)")
     p.add_argument("--tag", default="latest", help="latest | best | stepN")
     p.add_argument("--out", required=True)
     p.add_argument("--no-sglang-check", action="store_true", help="skip loading the result with SGLang's loader")
@@ -177,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             report = untrained_like(a.untrained_like, a.out, a.seed)
         else:
             report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
-                import_sglang(a.from_sglang, a.out, not a.no_sglang_check)
+                import_sglang(a.from_sglang, a.out, not a.no_sglang_check, a.target)
     except DrafterDirError as e:
         p.exit(1, f"error: {e}\n")
     print(json.dumps(report, indent=1))

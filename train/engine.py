@@ -160,6 +160,30 @@ def init_engine(model: torch.nn.Module, ds_config: dict):
     return engine
 
 
+def warm_start_config(config, drafter_dir: str | Path, rms_norm_eps: float | None) -> list[str]:
+    """A warm start continues the drafter it starts from: its RoPE settings and its norm epsilon replace the ones
+    `config` took from the target (a drafter trained at rope_theta 1e6 with YaRN, or eps 1e-6, computes something
+    else under the target's), unless `train.drafter.rms_norm_eps` (`rms_norm_eps`) sets the epsilon. Changes
+    `config` in place; returns what changed, for the log."""
+    from transformers import LlamaConfig
+    raw = json.loads((Path(drafter_dir) / "config.json").read_text())
+    rope_keys = {k: raw[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if raw.get(k) is not None}
+    notes = []
+    if rope_keys:
+        theirs = LlamaConfig(**rope_keys).rope_parameters  # transformers normalises the legacy fields too
+        if theirs != config.rope_parameters:
+            notes.append(f"RoPE {theirs} (the drafter's; the target's is {config.rope_parameters})")
+            config.rope_parameters = theirs
+    eps = raw.get("rms_norm_eps")
+    if eps is not None and eps != config.rms_norm_eps:
+        if rms_norm_eps is None:
+            notes.append(f"rms_norm_eps {eps} (the drafter's; the target's is {config.rms_norm_eps})")
+            config.rms_norm_eps = eps
+        else:
+            notes.append(f"rms_norm_eps {rms_norm_eps} (train.drafter.rms_norm_eps; the drafter had {eps})")
+    return notes
+
+
 def warm_start(model: torch.nn.Module, drafter_dir: str | Path, target: str | Path) -> list[str]:
     """Copy an exported (SGLang-format) drafter's weights into `model`; its draft vocab must be ours and the
     layers SGLang feeds it on `target` the ones our shards hold."""

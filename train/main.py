@@ -27,7 +27,7 @@ from data.split import heldout_ids, read_split, split_digest
 from data.target import load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
 from train.drafter import Eagle3Drafter, drafter_config
-from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start
+from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start, warm_start_config
 from train.loader import FeatureData
 from train.metrics import Logger, TTTStats, score
 from train.teacher import Teacher
@@ -73,7 +73,11 @@ def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> 
     if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != ids:
         raise ValueError(f"target.aux_layer_ids {cfg.target.aux_layer_ids} but the shards hold layers {ids}")
     d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
-    model = Eagle3Drafter(drafter_config(target, cfg.train.drafter, len(d2t), ids), d2t, t2d)
+    config = drafter_config(target, cfg.train.drafter, len(d2t), ids)
+    if cfg.train.warm_start:  # the drafter continues as it was trained: its RoPE and norm epsilon
+        for note in warm_start_config(config, cfg.train.warm_start, cfg.train.drafter.rms_norm_eps):
+            print(f"[train] warm start from {cfg.train.warm_start}: keeping {note}", flush=True)
+    model = Eagle3Drafter(config, d2t, t2d)
     embed = load_target_tensors(cfg.target.path, ["embed"]).get("embed")
     if embed is None:
         raise ValueError(f"{cfg.target.path}: no embed_tokens.weight in the target's checkpoint")

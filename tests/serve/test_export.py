@@ -2,6 +2,7 @@
 re-import equal to the trainer's weights, and broken drafters rejected by both checks."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,37 @@ def test_sglang_resolves_drafter_and_target_to_one_dtype(declared, tmp_path):
     assert served["target"] == served["drafter"] == (torch.bfloat16 if declared == "bfloat16" else torch.float16)
     from serve.smoke import sglang_auto_dtype  # the smoke test's pre-flight check reads SGLang's rule alike
     assert getattr(torch, sglang_auto_dtype(declared)) == served["target"]
+
+
+def test_import_keeps_what_the_drafter_was_and_states_every_change(exported, zero2_run, tmp_path):
+    """A published fp16 drafter that ships the embedding SGLang replaces and names no layer ids: its weights stay
+    fp16 (not rounded to bf16), the embedding is dropped and said so, and with --target its ids are SGLang's
+    default for that target; without --target the error says how to import it."""
+    trained_on = json.loads((zero2_run[0] / "train" / "summary.json").read_text())["config"]["target"]["path"]
+    target = tmp_path / "target-8-layers"  # its description is all the import reads: 8 layers give distinct ids
+    target.mkdir()
+    target_config = json.loads((Path(trained_on) / "config.json").read_text()) | {"num_hidden_layers": 8}
+    (target / "config.json").write_text(json.dumps(target_config))
+    src = tmp_path / "published"
+    shutil.copytree(exported[0] / "zero2", src)
+    tensors = {k: v.to(torch.float16) if v.is_floating_point() else v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    H = tensors["midlayer.input_layernorm.weight"].shape[0]
+    config = json.loads((src / "config.json").read_text())
+    tensors["embed_tokens.weight"] = torch.randn(config["vocab_size"], H).half()
+    save_file(tensors, str(src / "model.safetensors"))
+    del config["eagle_config"]
+    config |= {"dtype": "float16", "torch_dtype": "float16"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterDirError, match="import with --target TARGET"):
+        import_sglang(src, tmp_path / "no-target", check_with_sglang=False)
+    report = import_sglang(src, tmp_path / "imported", check_with_sglang=False, target=target)
+    back = load_file(str(tmp_path / "imported" / "model.safetensors"))
+    assert report["weights_dtype"] == ["float16"] and back["fc.weight"].dtype == torch.float16
+    assert torch.equal(back["fc.weight"], tensors["fc.weight"])  # bit for bit, not through bf16
+    assert "embed_tokens.weight" not in back and any("embed_tokens.weight dropped" in n for n in report["changes"])
+    written = json.loads((tmp_path / "imported" / "config.json").read_text())
+    # SGLang captures [2, L//2, L-3] for a drafter naming no ids: the outputs of layers [1, 3, 4] for L = 8
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    card = (tmp_path / "imported" / "README.md").read_text()
+    assert "took" in card and "set_eagle3_layers_to_capture(None)" in card and "weights float16" in card

@@ -436,3 +436,25 @@ def test_warm_start_from_an_exported_drafter(drafter, features_run, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 1]}}))
     with pytest.raises(ValueError, match=r"do not name the layers this run's shards hold, \[0, 1, 2\]"):
         warm_start(fresh, tmp_path, target)
+
+
+def test_a_warm_start_keeps_the_drafters_rope_and_norm_settings(drafter, tmp_path):
+    """A published drafter trained at rope_theta 1e6 with YaRN and eps 1e-6, warm-started for a target at 50000
+    and 1e-5: its own settings are kept (they are what its weights compute with), each change stated; a configured
+    train.drafter.rms_norm_eps decides the epsilon."""
+    from transformers import LlamaConfig
+
+    from train.engine import warm_start_config
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps({"rope_theta": 1e6, "rope_scaling": yarn, "rms_norm_eps": 1e-6}))
+    config = LlamaConfig(**drafter.config.to_dict() | {"rope_parameters": {"rope_type": "default",
+                                                                          "rope_theta": 50000.0}, "rms_norm_eps": 1e-5})
+    notes = warm_start_config(config, tmp_path, rms_norm_eps=None)
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["factor"] == 4.0 and config.rms_norm_eps == 1e-6
+    assert len(notes) == 2 and "the target's is" in notes[0] and notes[1].startswith("rms_norm_eps 1e-06")
+    Eagle3Drafter(config, drafter.d2t, drafter.t2d)  # the drafter builds with them
+    configured = LlamaConfig(**drafter.config.to_dict() | {"rms_norm_eps": 2e-6})
+    notes = warm_start_config(configured, tmp_path, rms_norm_eps=2e-6)
+    assert configured.rms_norm_eps == 2e-6 and "train.drafter.rms_norm_eps" in notes[-1]
+    assert warm_start_config(config, tmp_path, rms_norm_eps=None) == []  # already the drafter's: nothing to say
