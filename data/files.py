@@ -9,8 +9,9 @@ import ctypes
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import xxhash
 
@@ -46,6 +47,29 @@ def read_json(path: str | Path) -> Any | None:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return None
+
+
+class UnreadableFile(ValueError):
+    pass
+
+
+@contextmanager
+def safetensors_reader(path: str | Path, written_by: str) -> Iterator[Any]:
+    """`safe_open`, whose failures name the file, its size and what writes it (the library alone says
+    "incomplete metadata"): a truncated copy or an interrupted download reads as what it is."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "pt") as fh:
+            yield fh
+    except (SafetensorError, OSError) as e:
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        raise UnreadableFile(f"{path}: not a readable safetensors file ({e}; {size if size is not None else 'no'} "
+                             f"bytes on disk). It is written by {written_by}: copy or write it again") from None
+
+
+def load_safetensors(path: str | Path, written_by: str) -> dict[str, Any]:
+    with safetensors_reader(path, written_by) as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

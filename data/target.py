@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .config import aux_count_problem
-from .files import read_json
+from .files import read_json, safetensors_reader
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,7 @@ def _weight_files(target: Path) -> dict[str, Path]:
                                 "embedding from them)")
     names = {}
     for f in files:
-        with safe_open(str(f), "pt") as fh:
+        with safetensors_reader(f, "the target's publisher or conversion (Eyrie only reads it)") as fh:
             names.update({k: f for k in fh.keys()})
     return names
 
@@ -187,6 +186,7 @@ def load_target_tensors(target: str | Path, wanted: list[str]) -> dict[str, torc
         if len(hits) > 1:
             raise ValueError(f"{target}: several tensors could be the {what}: {hits}")
         if hits:
-            with safe_open(str(files[hits[0]]), "pt") as fh:
+            with safetensors_reader(files[hits[0]], "the target's publisher or conversion (Eyrie only reads it)") \
+                    as fh:
                 out[what] = fh.get_tensor(hits[0])
     return out

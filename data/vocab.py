@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from .files import load_safetensors
 
 
 class TokenCounter:
@@ -59,6 +61,6 @@ def save_draft_vocab(path: str | Path, counts: torch.Tensor, draft_vocab_size: i
 
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = load_file(str(path))
+    tensors = load_safetensors(path, "the data stage (python -m data)")
     check_draft_vocab(tensors["d2t"], tensors["t2d"])
     return tensors["d2t"], tensors["t2d"]

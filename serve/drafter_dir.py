@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import LlamaConfig
 
-from data.files import read_json
+from data.files import read_json, safetensors_reader
 from data.target import declared_dtype, load_target_info, load_target_tensors
 from data.vocab import check_draft_vocab
 from train.drafter import Eagle3Drafter
@@ -95,7 +94,7 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         raise DrafterDirError(f"{directory}: no safetensors")
     tensors = {}
     for f in files:
-        with safe_open(str(f), "pt") as fh:
+        with safetensors_reader(f, "serve.export (or the drafter's publisher, for an imported one)") as fh:
             for k in fh.keys():
                 # some publishers prefix the names with "model.", or name the layer "layers.0." (SGLang's MLA
                 # drafter loader reads both as midlayer.)

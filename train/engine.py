@@ -19,10 +19,9 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
-from safetensors.torch import load_file
 
 from data.config import ConfigError, TrainConfig
-from data.files import atomic_write_json
+from data.files import atomic_write_json, load_safetensors
 from data.target import load_target_info
 
 STATE_FILE = "trainer_state.json"
@@ -197,7 +196,7 @@ def warm_start(model: torch.nn.Module, drafter_dir: str | Path, target: str | Pa
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no safetensors in the warm-start drafter directory")
-    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    tensors = {k: v for f in files for k, v in load_safetensors(f, "serve.export (or the drafter's publisher)").items()}
     own = model.state_dict()
     for name in ("d2t", "t2d"):
         if name in tensors and not torch.equal(tensors[name].to(own[name].dtype), own[name]):
@@ -256,15 +255,51 @@ class Checkpoints:
             if old.name != best:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def resume(self, engine) -> dict | None:
-        """Load `latest` into the engine; the trainer state saved with it, or None for a fresh start."""
+    def complete(self, tag: str) -> bool:
+        """A tag with the trainer state, DeepSpeed's model states and no empty file (a copy cut short)."""
+        d = self.dir / tag
+        return d.is_dir() and (d / STATE_FILE).is_file() and any(d.glob("*model_states.pt")) and \
+            all(f.stat().st_size > 0 for f in d.iterdir() if f.is_file())
+
+    def newest_complete(self, other_than: str | None = None) -> str | None:
+        tags = sorted((p.name for p in self.dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                      key=lambda name: int(name[4:]), reverse=True)
+        return next((t for t in tags if t != other_than and self.complete(t)), None)
+
+    def resume_tag(self) -> str | None:
+        """The checkpoint to resume from: `latest`, or, when it names a missing or incomplete tag, the newest
+        complete one (with a warning naming both); None for a fresh start."""
         latest = self.dir / "latest"
         if not latest.exists():
             return None
         tag = latest.read_text().strip()
-        path, _ = engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=False)
+        if self.complete(tag):
+            return tag
+        what = "missing" if not (self.dir / tag).is_dir() else \
+            "incomplete (no trainer state or DeepSpeed model states, or an empty file)"
+        fallback = self.newest_complete(other_than=tag)
+        if fallback is None:
+            raise RuntimeError(f"{latest} names {tag}, which is {what}, and {self.dir} holds no complete checkpoint: "
+                               f"restore {tag}, or remove {self.dir} to train from the start")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[train] warning: {latest} names {tag}, which is {what}; resuming from {fallback}, the newest "
+                  "complete checkpoint", flush=True)
+        return fallback
+
+    def resume(self, engine) -> dict | None:
+        """Load the resume tag into the engine; the trainer state saved with it, or None for a fresh start."""
+        tag = self.resume_tag()
+        if tag is None:
+            return None
+        try:
+            path, _ = engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=False)
+        except (AssertionError, RuntimeError, OSError, KeyError, ValueError) as e:
+            path, error = None, f" ({type(e).__name__}: {e})"
+        else:
+            error = ""
         if path is None:
-            raise RuntimeError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint")
+            raise RuntimeError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint{error}; the newest other "
+                               f"complete one is {self.newest_complete(other_than=tag) or 'none'}")
         return json.loads((self.dir / tag / STATE_FILE).read_text())
 
 
