@@ -55,6 +55,14 @@ class ChatTokenizer:
     def _probe_end_marker(self) -> str:
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
         prompt, full = self.render(probe[:1], True), self.render(probe)
+        if prompt == self.render(probe[:1], False):
+            # Some published copies (Llama-3 ones among them) append the assistant header to every render: then
+            # no render says where an assistant turn starts, and every sample would fail on its own
+            raise ValueError(f"chat template of {getattr(self.tokenizer, 'name_or_path', '') or 'the tokenizer'!r}: "
+                             "it ignores add_generation_prompt (a conversation ending with a user turn renders the "
+                             "same with and without it, the assistant header appended either way), so an assistant "
+                             "turn's start cannot be found; point target.tokenizer at a tokenizer whose template adds "
+                             "the header only when asked (the model's original one)")
         if not full.startswith(prompt):
             raise ValueError("chat template: the generation prompt is not a prefix of the rendered reply; "
                              f"prompt={prompt!r} full={full!r}")

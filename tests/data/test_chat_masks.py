@@ -104,6 +104,15 @@ def test_truncate_and_drop_are_counted(make_tokenizer):
     assert tiny.fit(full, report) is None and report.skipped["no_loss_tokens"] == 1
 
 
+def test_a_template_that_ignores_add_generation_prompt_is_refused_at_load(make_tokenizer):
+    """Written in the style of published Llama-3 copies that always append the assistant header: refused once,
+    with the reason and the key that helps, not sample after sample with "'' is not in the render"."""
+    tok = copy.deepcopy(make_tokenizer("llama3"))
+    tok.chat_template = tok.chat_template.replace("{% if add_generation_prompt %}", "{% if true %}")
+    with pytest.raises(ValueError, match="it ignores add_generation_prompt .* target.tokenizer"):
+        ChatTokenizer(tok)
+
+
 def test_template_that_rewrites_content_is_a_named_error(make_tokenizer, tmp_path):
     tok = make_tokenizer("llama3")
     tok = copy.deepcopy(tok)
