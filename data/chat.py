@@ -39,18 +39,21 @@ def _common_prefix_len(a: str, b: str) -> int:
 class ChatTokenizer:
     """Chat template render + assistant loss mask + tokenization, for one target tokenizer."""
 
-    def __init__(self, tokenizer: Any, loss_on: str = "all", max_length: int = 2048, overflow: str = "truncate"):
+    def __init__(self, tokenizer: Any, loss_on: str = "all", max_length: int = 2048, overflow: str = "truncate",
+                 template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("a fast tokenizer is needed (character offsets locate assistant tokens)")
         self.tokenizer, self.loss_on = tokenizer, loss_on
         self.max_length, self.overflow = max_length, overflow
+        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs, in every render
+        self.template_name = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
         self.end_marker = self._probe_end_marker()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def _probe_end_marker(self) -> str:
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
@@ -58,25 +61,25 @@ class ChatTokenizer:
         if prompt == self.render(probe[:1], False):
             # Some published copies (Llama-3 ones among them) append the assistant header to every render: then
             # no render says where an assistant turn starts, and every sample would fail on its own
-            raise ValueError(f"chat template of {getattr(self.tokenizer, 'name_or_path', '') or 'the tokenizer'!r}: "
-                             "it ignores add_generation_prompt (a conversation ending with a user turn renders the "
-                             "same with and without it, the assistant header appended either way), so an assistant "
-                             "turn's start cannot be found; point target.tokenizer at a tokenizer whose template adds "
-                             "the header only when asked (the model's original one)")
+            raise ValueError(f"{self.template_name}: it ignores add_generation_prompt (a conversation ending with a "
+                             "user turn renders the same with and without it, the assistant header appended either "
+                             "way), so an assistant turn's start cannot be found; point target.tokenizer at a "
+                             "tokenizer whose template adds the header only when asked (the model's original one)")
         if not full.startswith(prompt):
             raise ValueError("chat template: the generation prompt is not a prefix of the rendered reply; "
                              f"prompt={prompt!r} full={full!r}")
         reply = full[len(prompt):]
         return reply[reply.rfind("pong") + len("pong"):].strip()
 
-    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: list[dict], tools: list[dict] | None = None
+                        ) -> tuple[str, list[tuple[int, int]]]:
         """The full render and the character span of every assistant turn in it."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         spans, cursor = [], 0
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            prompt, plain = self.render(messages[:i], True), self.render(messages[:i])
+            prompt, plain = self.render(messages[:i], True, tools), self.render(messages[:i], tools=tools)
             header = prompt[_common_prefix_len(prompt, plain):]
             pos = text.find(header, cursor) if header else -1
             if pos < 0:
@@ -99,12 +102,16 @@ class ChatTokenizer:
             cursor = end
         return text, spans
 
-    def __call__(self, conv: Conversation) -> TokenizedSample:
-        """Render + mask + tokenize (untruncated). Raises MalformedSample naming the sample."""
+    def __call__(self, conv: Conversation, report: SkipReport | None = None) -> TokenizedSample:
+        """Render + mask + tokenize (untruncated). Raises MalformedSample naming the sample. What the template
+        leaves out of the text (reasoning it does not render, tool declarations it ignores) is counted in `report`."""
         try:
-            text, spans = self.assistant_spans(conv.messages)
+            text, spans = self.assistant_spans(conv.messages, conv.tools)
         except Exception as e:  # jinja's raise_exception, role-order checks, span search failures
             raise MalformedSample(f"sample {conv.id}", f"chat template: {e}", "template_error") from None
+        if report is not None:
+            for reason in self.unrendered(conv, text):
+                report.unrendered[reason] += 1
         if self.loss_on == "last":
             spans = spans[-1:]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -114,6 +121,16 @@ class ChatTokenizer:
                 k += 1
             mask.append(int(k < len(spans) and b > spans[k][0] and a < spans[k][1]))
         return TokenizedSample(conv.id, list(enc["input_ids"]), mask)
+
+    def unrendered(self, conv: Conversation, text: str) -> list[str]:
+        """What of the conversation the render does not contain: a message's reasoning_content, the tools."""
+        name = self.template_name
+        missing = [f"reasoning_content ({name})" for m in conv.messages
+                   if (m.get("reasoning_content") or "").strip() and m["reasoning_content"].strip() not in text]
+        names = [t.get("function", t).get("name") for t in conv.tools or []]
+        if any(n and n not in text for n in names):
+            missing.append(f"tools ({name})")
+        return missing
 
     def fit(self, sample: TokenizedSample, report: SkipReport) -> TokenizedSample | None:
         """Apply the length budget; a dropped sample is counted in the report."""

@@ -78,6 +78,9 @@ class DataConfig(Section):
     max_length: int = Field(2048, ge=8, description="token budget per sample")
     overflow: Literal["truncate", "drop"] = Field("truncate", description="what to do with longer samples")
     loss_on: Literal["all", "last"] = Field("all", description="assistant turns that carry loss")
+    chat_template_kwargs: dict[str, Any] = Field(
+        {}, description="extra variables for the chat template, e.g. {enable_thinking: false}: every render of the "
+                        "data and regenerate stages gets them (and the endpoint, as chat_template_kwargs)")
     draft_vocab_size: int = Field(32000, ge=1, description="size of the drafter's output vocabulary")
     samples_per_shard: int = Field(1000, ge=1, description="samples per token shard")
     heldout_fraction: float = Field(0.05, ge=0, lt=1, description="share of prompts held out for evaluation, by a hash "

@@ -30,6 +30,7 @@ class Conversation:
     id: str
     messages: list[dict[str, Any]]  # role, content, optional reasoning_content / tool_calls / name
     heldout: str | None = None      # a held-out group named by the row: evaluated, never trained on (data/split.py)
+    tools: list[dict] | None = None  # the row's tool declarations (OpenAI `tools`): the template renders them
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SkipReport:
     read: int = 0
     truncated: int = 0  # kept, but cut to the length budget
     skipped: Counter = field(default_factory=Counter)
+    unrendered: Counter = field(default_factory=Counter)  # kept, but the chat template left this out of the text
     examples: list[str] = field(default_factory=list)  # the first few skipped rows, file:line: reason
 
     @property
@@ -50,12 +52,14 @@ class SkipReport:
             self.examples.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
 
     def to_json(self) -> dict:
-        return {"read": self.read, "kept": self.kept, "truncated": self.truncated, "skipped": dict(sorted(self.skipped.items())),
-                "examples": self.examples}
+        return {"read": self.read, "kept": self.kept, "truncated": self.truncated,
+                "skipped": dict(sorted(self.skipped.items())), "unrendered_by_template": dict(sorted(self.unrendered.items())), "examples": self.examples}
 
     def summary(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
-        return f"{self.read} read, {self.kept} kept ({self.truncated} truncated), skipped: {skipped}"
+        unrendered = ", ".join(f"{k}={v}" for k, v in sorted(self.unrendered.items()))
+        return f"{self.read} read, {self.kept} kept ({self.truncated} truncated), skipped: {skipped}" + \
+            (f"; left out by the chat template (kept, not trained): {unrendered}" if unrendered else "")
 
 
 def _text(content: Any, where: str) -> str | None:
@@ -122,11 +126,15 @@ def normalize(row: Any, where: str) -> Conversation:
         raise MalformedSample(where, "no user turn", "no_user_turn")
     if not any(m["role"] == "assistant" for m in messages):
         raise MalformedSample(where, "no assistant turn", "no_assistant_turn")
+    tools = row.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise MalformedSample(where, "'tools' must be a list of tool declarations (objects)", "bad_row")
     heldout = row.get("heldout")
     if heldout is not None and (not isinstance(heldout, str) or not heldout):
         raise MalformedSample(where, "'heldout' must be a non-empty group name", "bad_row")
     sample_id = row.get("id", row.get("sample_id"))
-    return Conversation(id=str(sample_id) if sample_id is not None else where, messages=messages, heldout=heldout)
+    return Conversation(id=str(sample_id) if sample_id is not None else where, messages=messages, heldout=heldout,
+                        tools=tools)
 
 
 def _rows(path: Path) -> Iterator[tuple[str, Any]]:

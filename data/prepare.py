@@ -28,7 +28,8 @@ def prepare(cfg: EyrieConfig) -> dict:
     info = load_target_info(cfg.target.path)
     info.check_draft_vocab_size(cfg.data.draft_vocab_size)  # now, not after tokenizing every conversation
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
-    chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow)
+    chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow,
+                         cfg.data.chat_template_kwargs)
 
     regenerated = None
     if cfg.data.regenerate.enabled:  # resumes: after the regenerate stage there is nothing left to do
@@ -52,7 +53,7 @@ def prepare(cfg: EyrieConfig) -> dict:
             split.excluded[excluded] += 1
             continue
         try:
-            sample = chat.fit(chat(conv), report)
+            sample = chat.fit(chat(conv, report), report)
         except MalformedSample as e:
             if not cfg.data.skip_malformed:
                 raise

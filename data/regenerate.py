@@ -32,7 +32,7 @@ class Reply(dict):
 
 
 class Generator(Protocol):
-    def __call__(self, messages: list[dict]) -> Reply: ...
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> Reply: ...
 
 
 class RetryableError(RuntimeError):
@@ -42,14 +42,16 @@ class RetryableError(RuntimeError):
 class OpenAIChatGenerator:
     """POST {endpoint}/chat/completions, retrying connection errors, 429 and 5xx with backoff."""
 
-    def __init__(self, cfg: RegenerateConfig, sleep: Callable[[float], None] = time.sleep):
-        self.cfg, self.sleep = cfg, sleep
+    def __init__(self, cfg: RegenerateConfig, sleep: Callable[[float], None] = time.sleep,
+                 template_kwargs: dict | None = None):
+        self.cfg, self.sleep, self.template_kwargs = cfg, sleep, dict(template_kwargs or {})
         self.url = cfg.endpoint.rstrip("/") + "/chat/completions"
         self.session = requests.Session()
 
-    def _once(self, messages: list[dict]) -> Reply:
+    def _once(self, messages: list[dict], tools: list[dict] | None) -> Reply:
         body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
-                "temperature": self.cfg.temperature}
+                "temperature": self.cfg.temperature} | ({"tools": tools} if tools else {}) | \
+            ({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {})
         try:
             resp = self.session.post(self.url, json=body, timeout=self.cfg.timeout_s)
         except (requests.ConnectionError, requests.Timeout) as e:
@@ -63,10 +65,10 @@ class OpenAIChatGenerator:
         return Reply(content=msg.get("content") or "", reasoning_content=msg.get("reasoning_content"),
                      finish_reason=choice.get("finish_reason") or "stop")
 
-    def __call__(self, messages: list[dict]) -> Reply:
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> Reply:
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                return self._once(messages)
+                return self._once(messages, tools)
             except RetryableError:
                 if attempt == self.cfg.max_retries:
                     raise
@@ -79,8 +81,10 @@ class LocalGenerator:
     several histories in one left-padded batch: on a GPU one prompt at a time leaves a small target
     launch-bound (the tiny DeepseekV3 demo's 400 prompts: 96 s on the H200, slower than on the CPU)."""
 
-    def __init__(self, model_path: str, cfg: RegenerateConfig, trust_remote_code: bool = False):
+    def __init__(self, model_path: str, cfg: RegenerateConfig, trust_remote_code: bool = False,
+                 template_kwargs: dict | None = None):
         self.model_path, self.cfg, self.trust_remote_code = model_path, cfg, trust_remote_code
+        self.template_kwargs = dict(template_kwargs or {})
         self.model = None  # loaded on the first request: a resumed run with nothing left loads nothing
 
     def _load(self) -> None:
@@ -99,15 +103,17 @@ class LocalGenerator:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
 
-    def __call__(self, messages: list[dict]) -> Reply:
-        return self.generate_batch([messages])[0]
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> Reply:
+        return self.generate_batch([messages], [tools])[0]
 
-    def generate_batch(self, histories: list[list[dict]]) -> list[Reply]:
+    def generate_batch(self, histories: list[list[dict]], tools: list[list[dict] | None] | None = None
+                       ) -> list[Reply]:
         if self.model is None:
             self._load()
         torch = self.torch
-        prompts = [self.tokenizer.apply_chat_template(h, add_generation_prompt=True, return_dict=True)["input_ids"]
-                   for h in histories]
+        prompts = [self.tokenizer.apply_chat_template(h, tools=t, add_generation_prompt=True, return_dict=True,
+                                                      **self.template_kwargs)["input_ids"]
+                   for h, t in zip(histories, tools or [None] * len(histories))]
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
@@ -125,7 +131,8 @@ class LocalGenerator:
         return replies
 
 
-def regenerate_conversations(convs: list[Conversation], generate_batch: Callable[[list[list[dict]]], list[Reply]],
+def regenerate_conversations(convs: list[Conversation],
+                             generate_batch: Callable[[list[list[dict]], list], list[Reply]],
                              keep_reasoning: bool) -> list[tuple[Conversation, int]]:
     """Replace every assistant turn by the target's answer to the history before it. The conversations advance
     together, turn by turn, so each turn is one `generate_batch` call. Returns (conversation, replies truncated)."""
@@ -141,8 +148,9 @@ def regenerate_conversations(convs: list[Conversation], generate_batch: Callable
             if position[i] < len(conv.messages):
                 waiting.append(i)
         if not waiting:
-            return [(Conversation(c.id, h, c.heldout), t) for c, h, t in zip(convs, histories, truncated)]
-        for i, reply in zip(waiting, generate_batch([list(histories[i]) for i in waiting]), strict=True):
+            return [(Conversation(c.id, h, c.heldout, c.tools), t) for c, h, t in zip(convs, histories, truncated)]
+        replies = generate_batch([list(histories[i]) for i in waiting], [convs[i].tools for i in waiting])
+        for i, reply in zip(waiting, replies, strict=True):
             new = {"role": "assistant", "content": reply["content"]}
             if keep_reasoning and reply.get("reasoning_content"):
                 new["reasoning_content"] = reply["reasoning_content"]
@@ -197,7 +205,7 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
         chunks, workers = [todo[i:i + width] for i in range(0, len(todo), width)], 1
     else:
         chunks, workers = [[c] for c in todo], width
-        batched = lambda histories: [generate(h) for h in histories]  # noqa: E731
+        batched = lambda histories, tools: [generate(h, t) for h, t in zip(histories, tools)]  # noqa: E731
     with open(partial, "a", encoding="utf-8") as sink, ThreadPoolExecutor(max_workers=workers) as pool, \
             tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
         futures = {pool.submit(regenerate_conversations, chunk, batched, cfg.keep_reasoning): chunk
@@ -215,7 +223,8 @@ def regenerate(conversations: list[Conversation], generate: Generator, out_path:
                     report["error_examples"].append(f"{which}: {type(e).__name__}: {e}")
                 continue
             for new, truncated in results:
-                row = {"id": new.id, "messages": new.messages} | ({"heldout": new.heldout} if new.heldout else {})
+                row = {"id": new.id, "messages": new.messages} | ({"heldout": new.heldout} if new.heldout else {}) \
+                    | ({"tools": new.tools} if new.tools else {})
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
                 done[new.id] = row
                 report["succeeded"] += 1
@@ -246,8 +255,9 @@ def run(cfg: EyrieConfig) -> dict:
     source = SkipReport()
     convs = list(load_conversations(cfg.data.inputs, source, cfg.data.skip_malformed))
     rc = cfg.data.regenerate
-    generate = OpenAIChatGenerator(rc) if rc.backend == "openai" else \
-        LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code)
+    kwargs = cfg.data.chat_template_kwargs
+    generate = OpenAIChatGenerator(rc, template_kwargs=kwargs) if rc.backend == "openai" else \
+        LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code, template_kwargs=kwargs)
     out = cfg.layout.regenerated
     out.parent.mkdir(parents=True, exist_ok=True)
     result = regenerate(convs, generate, out, rc)

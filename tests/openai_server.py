@@ -16,6 +16,7 @@ class ChatServer:
     def __init__(self, model, tokenizer, fail_first: int = 0):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.fail_first, self.requests = fail_first, 0
+        self.bodies: list[dict] = []  # every request body that reached the model
         self.lock = threading.Lock()
         server = self
 
@@ -46,8 +47,11 @@ class ChatServer:
             return 404, {"error": f"no route {path}"}
         if any("POISON" in m["content"] for m in body["messages"]):
             return 400, {"error": "rejected prompt"}
-        ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)["input_ids"]
+        self.bodies.append(body)
+        # as SGLang's OpenAI server does: tools and chat_template_kwargs reach the template
+        ids = self.tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True,
+                                                 **body.get("chat_template_kwargs", {}))["input_ids"]
         with self.lock, torch.no_grad():
             out = self.model.generate(ids, max_new_tokens=body.get("max_tokens", 16), do_sample=False,
                                       pad_token_id=self.tokenizer.pad_token_id)

@@ -119,3 +119,27 @@ def test_template_that_rewrites_content_is_a_named_error(make_tokenizer, tmp_pat
     tok.chat_template = tok.chat_template.replace("{{ m.content | trim }}", "{{ m.content | upper }}")
     with pytest.raises(MalformedSample, match="sample bad: chat template: message 1: the assistant content"):
         ChatTokenizer(tok)(Conversation("bad", MULTI[1:3]))
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tools_and_template_switches_reach_the_render_and_what_is_left_out_is_counted(make_tokenizer):
+    """A row's tools and data.chat_template_kwargs reach every render (the tool block is context, not trained); a
+    template that renders neither tools nor reasoning has them counted, with its name, instead of dropped silently."""
+    tok = copy.deepcopy(make_tokenizer("llama3"))
+    tok.chat_template = (  # the llama3 test template, plus a tools block and a thinking switch, as published ones have
+        "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools: {{ tools | tojson }}<|eot_id|>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}" + tok.chat_template)
+    conv = Conversation("t", MULTI[1:3], tools=TOOLS)
+    report = SkipReport()
+    chat = ChatTokenizer(tok, template_kwargs={"enable_thinking": False})
+    sample = chat(conv, report)
+    text = tok.decode(sample.input_ids)
+    assert "lookup_weather" in text and "/no_think" in text
+    assert masked_runs(tok, sample) == expected("llama3", MULTI[1:3])  # the tools block carries no loss
+    assert report.unrendered == {f"reasoning_content ({chat.template_name})": 1}  # this template drops it
+    plain = ChatTokenizer(make_tokenizer("llama3"))  # renders no tools: counted, the sample kept
+    plain(conv, report)
+    assert report.unrendered[f"tools ({plain.template_name})"] == 1
+    assert "left out by the chat template (kept, not trained): reasoning_content" in report.summary()

@@ -71,7 +71,7 @@ def test_local_batches_answer_each_conversation_as_it_is_answered_alone(tiny_tar
     local = LocalGenerator(str(tiny_target), cfg)
     batches = []
     generate_batch = local.generate_batch
-    local.generate_batch = lambda histories: batches.append(len(histories)) or generate_batch(histories)
+    local.generate_batch = lambda histories, tools: batches.append(len(histories)) or generate_batch(histories, tools)
     conversations = [Conversation(f"c{i}", [
         {"role": "user", "content": "What is 2 plus 2?" + " Answer briefly, please." * i},  # lengths differ: padding
         {"role": "assistant", "content": "old"}, {"role": "user", "content": "And 3 plus 3?"},
@@ -90,3 +90,21 @@ def test_local_batches_answer_each_conversation_as_it_is_answered_alone(tiny_tar
                 answered += 1
             history.append(m)
     assert answered == 10
+
+
+def test_tools_and_template_switches_reach_the_target_and_the_regenerated_rows(model_and_tok, tiny_target, tmp_path):
+    """A row's tool declarations and data.chat_template_kwargs go to the endpoint with every request (the stand-in
+    server renders them as SGLang's does) and the regenerated row keeps the tools for the data stage."""
+    model, tok = model_and_tok
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=4, concurrency=2)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    conversation = Conversation("t", [{"role": "user", "content": "Find it."}, {"role": "assistant", "content": "old"}],
+                                tools=tools)
+    with ChatServer(model, tok) as server:
+        cfg.endpoint = server.url
+        generator = OpenAIChatGenerator(cfg, template_kwargs={"enable_thinking": False})
+        report = regenerate([conversation], generator, tmp_path / "r.jsonl", cfg)
+    assert report["succeeded"] == 1
+    assert server.bodies[0]["tools"] == tools and server.bodies[0]["chat_template_kwargs"] == {"enable_thinking": False}
+    row = json.loads((tmp_path / "r.jsonl").read_text())
+    assert row["tools"] == tools and row["messages"][1]["content"] != "old"
