@@ -10,6 +10,10 @@ full render F of the conversation (the text the target really sees) by locating 
   * turn i's loss span runs from after its generation prompt to the end of its end marker, and must
     contain the message's content. Everything the model generates in that turn (reasoning a template keeps,
     tool calls, the end marker) is trained; what the template drops from earlier turns is simply absent.
+  * templates without an end-of-turn token (GLM-style: the next role tag ends the turn) run the span to where the
+    render of the conversation through this turn ends, so tool-call blocks after the content are trained; a
+    turn the template writes with no header (DeepSeek-V3-style answers after a tool result) starts where the
+    render of the history before it ends.
 Because spans are searched in F itself rather than in prefix renders, templates that render earlier
 turns differently (dropping their reasoning, say) get correct masks.
 """
@@ -81,10 +85,19 @@ class ChatTokenizer:
                 continue
             prompt, plain = self.render(messages[:i], True, tools), self.render(messages[:i], tools=tools)
             header = prompt[_common_prefix_len(prompt, plain):]
-            pos = text.find(header, cursor) if header else -1
-            if pos < 0:
-                raise ValueError(f"message {i}: the assistant generation prompt {header!r} is not in the render")
-            start = pos + len(header)
+            if header:
+                pos = text.find(header, cursor)
+                if pos < 0:
+                    raise ValueError(f"message {i}: the assistant generation prompt {header!r} is not in the render")
+                start = pos + len(header)
+            elif text.startswith(plain) and len(plain) >= cursor:
+                # no header for this turn (DeepSeek-V3-style templates write the answer after a tool result
+                # directly): it starts where the render of the history before it ends
+                start = len(plain)
+            else:
+                raise ValueError(f"message {i}: the template writes no assistant header after a "
+                                 f"{messages[i - 1]['role'] if i else 'first'} message and renders the earlier turns "
+                                 "differently in the full conversation, so this turn's start cannot be found")
             content = msg.get("content", "").strip()
             content_end = start
             if content:
@@ -98,6 +111,12 @@ class ChatTokenizer:
                 if found < 0:
                     raise ValueError(f"message {i}: no end marker {self.end_marker!r} after the assistant turn")
                 end = found + len(self.end_marker)
+            else:
+                # no end-of-turn token (GLM-style templates: the next role tag ends the turn): the turn runs to where
+                # the next turn's text begins, tool-call blocks written after the content included
+                through = self.render(messages[:i + 1], tools=tools)
+                if text.startswith(through) and len(through) >= content_end:
+                    end = len(through)
             spans.append((start, end))
             cursor = end
         return text, spans

@@ -143,3 +143,51 @@ def test_tools_and_template_switches_reach_the_render_and_what_is_left_out_is_co
     plain(conv, report)
     assert report.unrendered[f"tools ({plain.template_name})"] == 1
     assert "left out by the chat template (kept, not trained): reasoning_content" in report.summary()
+
+
+GLM_STYLE = (  # written in the style of GLM-4.x: no end-of-turn token, the next role tag ends a turn
+    "[gMASK]<sop>{% for m in messages %}"
+    "{% if m.role == 'user' %}<|user|>\n{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}"
+    "{% for t in m.tool_calls or [] %}<tool_call>{{ t.function.name }}\n{{ t.function.arguments }}</tool_call>"
+    "{% endfor %}"
+    "{% elif m.role == 'tool' %}<|observation|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+DEEPSEEK_STYLE = (  # written in the style of DeepSeek-V3.x: no assistant header for the answer after a tool result
+    "{% set ns = namespace(after_tool=false) %}{% for m in messages %}"
+    "{% if m.role == 'user' %}<|User|>{{ m.content }}{% set ns.after_tool = false %}"
+    "{% elif m.role == 'assistant' %}{% if not ns.after_tool %}<|Assistant|>{% endif %}{{ m.content }}"
+    "{% for t in m.tool_calls or [] %}<|tool_call|>{{ t.function.name }}:{{ t.function.arguments }}{% endfor %}"
+    "<|end_of_sentence|>{% set ns.after_tool = false %}"
+    "{% elif m.role == 'tool' %}<|tool_output|>{{ m.content }}<|tool_outputs_end|>{% set ns.after_tool = true %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt and not ns.after_tool %}<|Assistant|>{% endif %}")
+CALL = [{"type": "function", "function": {"name": "lookup_weather", "arguments": "{\"city\": \"Oslo\"}"}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "What is the weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": CALL},             # a tool call with empty content
+    {"role": "tool", "content": "rain, 4 degrees"},
+    {"role": "assistant", "content": "It rains in Oslo, 4 degrees."},       # the answer after the tool result
+    {"role": "user", "content": "And tomorrow?"},
+    {"role": "assistant", "content": "Let me check.", "tool_calls": CALL},  # content and a tool call
+]
+
+
+@pytest.mark.parametrize("style,trained", [
+    ("glm", ["<tool_call>lookup_weather\n{\"city\": \"Oslo\"}</tool_call>", "It rains in Oslo, 4 degrees.",
+             "Let me check.<tool_call>lookup_weather\n{\"city\": \"Oslo\"}</tool_call>"]),
+    ("deepseek", ["<|tool_call|>lookup_weather:{\"city\": \"Oslo\"}<|end_of_sentence|>",
+                  "It rains in Oslo, 4 degrees.<|end_of_sentence|>",
+                  "Let me check.<|tool_call|>lookup_weather:{\"city\": \"Oslo\"}<|end_of_sentence|>"]),
+])
+def test_tool_call_turns_and_answers_after_tool_results_are_trained(style, trained, make_tokenizer):
+    """Every assistant token is trained whatever the template's shape: with no end-of-turn token (GLM) the span runs
+    to the next turn's tag, tool-call blocks and empty-content tool-call turns included; an answer the template
+    writes with no header after a tool result (DeepSeek-V3) starts where the tool output ends."""
+    tok = copy.deepcopy(make_tokenizer("llama3"))
+    tok.chat_template = {"glm": GLM_STYLE, "deepseek": DEEPSEEK_STYLE}[style]
+    chat = ChatTokenizer(tok)
+    text, spans = chat.assistant_spans(TOOL_TURNS)
+    assert [text[a:b] for a, b in spans] == trained
+    sample = chat(Conversation("t", TOOL_TURNS))
+    masked = "".join(masked_runs(tok, sample))
+    assert all(t in masked for t in trained) and "What is the weather" not in masked and "rain, 4" not in masked

@@ -77,3 +77,51 @@ def test_loss_mask_covers_every_assistant_reply_and_no_user_text(make_tokenizer,
             assert all(span), (msg, text)
         else:
             assert not any(span), (msg, text)
+
+
+NAMES = st.sampled_from(["get_weather", "search_docs", "run_sql"])
+
+
+@st.composite
+def tool_dialogues(draw) -> list[dict]:
+    """1-3 user turns, each answered directly or through a tool round: a call (content or none), its result, an
+    answer. Contents carry a role prefix, so a content is never found inside a template's tags."""
+    messages = []
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": "U: " + draw(TEXT)})
+        if draw(st.booleans()):
+            call = {"type": "function", "function": {"name": draw(NAMES), "arguments": "{}"}}
+            messages += [{"role": "assistant", "content": draw(st.just("") | TEXT.map("A: ".__add__)),
+                          "tool_calls": [call]},
+                         {"role": "tool", "content": "T: " + draw(TEXT)}]
+        messages.append({"role": "assistant", "content": "A: " + draw(TEXT)})
+    return messages
+
+
+@SETTINGS
+@given(tool_dialogues(), st.sampled_from(["glm", "deepseek"]))
+def test_tool_rounds_train_every_assistant_token_and_no_user_or_tool_text(make_tokenizer, messages, style):
+    """Templates without an end-of-turn token (GLM-style) and with header-less answers after tool results
+    (DeepSeek-V3-style): every assistant content and tool call carries loss, no user or tool text does."""
+    import copy
+
+    from tests.data.test_chat_masks import DEEPSEEK_STYLE, GLM_STYLE
+    tok = copy.deepcopy(make_tokenizer("llama3"))  # the shared tokenizer keeps its own template
+    tok.chat_template = {"glm": GLM_STYLE, "deepseek": DEEPSEEK_STYLE}[style]
+    chat = ChatTokenizer(tok, max_length=10_000)
+    sample = chat(normalize({"id": "p", "messages": messages}, "p"))
+    text = chat.render(messages)
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    covered = [False] * len(text)
+    for (a, b), m in zip(offsets, sample.loss_mask):
+        for i in range(a, b):
+            covered[i] = covered[i] or bool(m)
+    cursor = 0
+    for msg in messages:
+        for piece in [msg["content"]] + [t["function"]["name"] for t in msg.get("tool_calls", [])]:
+            if not piece:
+                continue
+            at = text.index(piece, cursor)
+            cursor = at + len(piece)
+            assert all(covered[at:cursor]) if msg["role"] == "assistant" else not any(covered[at:cursor]), \
+                (style, msg, text)
