@@ -40,6 +40,19 @@ def _common_prefix_len(a: str, b: str) -> int:
     return i
 
 
+def split_inline_reasoning(message: dict) -> dict:
+    """An assistant message whose content starts with `<think>…</think>` and has no reasoning_content, as one
+    with the reasoning in reasoning_content and the answer in content (what templates that render reasoning
+    expect); any other message unchanged."""
+    content = message.get("content") or ""
+    head = content.lstrip()
+    if message["role"] != "assistant" or message.get("reasoning_content") or not head.startswith("<think>") \
+            or "</think>" not in head:
+        return message
+    reasoning, _, answer = head[len("<think>"):].partition("</think>")
+    return message | {"reasoning_content": reasoning.strip(), "content": answer.lstrip()}
+
+
 class ChatTokenizer:
     """Chat template render + assistant loss mask + tokenization, for one target tokenizer."""
 
@@ -54,6 +67,11 @@ class ChatTokenizer:
         self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs, in every render
         self.template_name = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
         self.end_marker = self._probe_end_marker()
+        # Templates that render `reasoning_content` (Qwen3, DeepSeek-R1, Kimi styles) expect reasoning there, and
+        # move or drop reasoning written inline: such rows are split before rendering
+        probe = [{"role": "user", "content": "ping"},
+                 {"role": "assistant", "content": "pong", "reasoning_content": "probe-reasoning"}]
+        self.renders_reasoning = "probe-reasoning" in self.render(probe)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -124,6 +142,8 @@ class ChatTokenizer:
     def __call__(self, conv: Conversation, report: SkipReport | None = None) -> TokenizedSample:
         """Render + mask + tokenize (untruncated). Raises MalformedSample naming the sample. What the template
         leaves out of the text (reasoning it does not render, tool declarations it ignores) is counted in `report`."""
+        messages = [split_inline_reasoning(m) for m in conv.messages] if self.renders_reasoning else conv.messages
+        conv = Conversation(conv.id, messages, conv.heldout, conv.tools)
         try:
             text, spans = self.assistant_spans(conv.messages, conv.tools)
         except Exception as e:  # jinja's raise_exception, role-order checks, span search failures

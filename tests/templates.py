@@ -40,6 +40,26 @@ KIMI = (
     "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
 )
 
+# GLM-4.x style: no end-of-turn token, the next role tag ends a turn.
+GLM_STYLE = (
+    "[gMASK]<sop>{% for m in messages %}"
+    "{% if m.role == 'user' %}<|user|>\n{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}"
+    "{% for t in m.tool_calls or [] %}<tool_call>{{ t.function.name }}\n{{ t.function.arguments }}</tool_call>"
+    "{% endfor %}"
+    "{% elif m.role == 'tool' %}<|observation|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+# DeepSeek-V3.x style: no assistant header for the answer after a tool result.
+DEEPSEEK_STYLE = (
+    "{% set ns = namespace(after_tool=false) %}{% for m in messages %}"
+    "{% if m.role == 'user' %}<|User|>{{ m.content }}{% set ns.after_tool = false %}"
+    "{% elif m.role == 'assistant' %}{% if not ns.after_tool %}<|Assistant|>{% endif %}{{ m.content }}"
+    "{% for t in m.tool_calls or [] %}<|tool_call|>{{ t.function.name }}:{{ t.function.arguments }}{% endfor %}"
+    "<|end_of_sentence|>{% set ns.after_tool = false %}"
+    "{% elif m.role == 'tool' %}<|tool_output|>{{ m.content }}<|tool_outputs_end|>{% set ns.after_tool = true %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt and not ns.after_tool %}<|Assistant|>{% endif %}")
+
 SPECIALS = {
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                         "<|eot_id|>", "<|pad|>"], "<|begin_of_text|>", "<|eot_id|>"),

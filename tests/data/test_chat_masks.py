@@ -5,6 +5,7 @@ import pytest
 
 from data.chat import ChatTokenizer
 from data.conversations import Conversation, MalformedSample, SkipReport
+from tests.templates import DEEPSEEK_STYLE, GLM_STYLE
 
 
 def masked_runs(tok, sample) -> list[str]:
@@ -145,22 +146,6 @@ def test_tools_and_template_switches_reach_the_render_and_what_is_left_out_is_co
     assert "left out by the chat template (kept, not trained): reasoning_content" in report.summary()
 
 
-GLM_STYLE = (  # written in the style of GLM-4.x: no end-of-turn token, the next role tag ends a turn
-    "[gMASK]<sop>{% for m in messages %}"
-    "{% if m.role == 'user' %}<|user|>\n{{ m.content }}"
-    "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}"
-    "{% for t in m.tool_calls or [] %}<tool_call>{{ t.function.name }}\n{{ t.function.arguments }}</tool_call>"
-    "{% endfor %}"
-    "{% elif m.role == 'tool' %}<|observation|>\n{{ m.content }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-DEEPSEEK_STYLE = (  # written in the style of DeepSeek-V3.x: no assistant header for the answer after a tool result
-    "{% set ns = namespace(after_tool=false) %}{% for m in messages %}"
-    "{% if m.role == 'user' %}<|User|>{{ m.content }}{% set ns.after_tool = false %}"
-    "{% elif m.role == 'assistant' %}{% if not ns.after_tool %}<|Assistant|>{% endif %}{{ m.content }}"
-    "{% for t in m.tool_calls or [] %}<|tool_call|>{{ t.function.name }}:{{ t.function.arguments }}{% endfor %}"
-    "<|end_of_sentence|>{% set ns.after_tool = false %}"
-    "{% elif m.role == 'tool' %}<|tool_output|>{{ m.content }}<|tool_outputs_end|>{% set ns.after_tool = true %}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt and not ns.after_tool %}<|Assistant|>{% endif %}")
 CALL = [{"type": "function", "function": {"name": "lookup_weather", "arguments": "{\"city\": \"Oslo\"}"}}]
 TOOL_TURNS = [
     {"role": "user", "content": "What is the weather in Oslo?"},
@@ -191,3 +176,20 @@ def test_tool_call_turns_and_answers_after_tool_results_are_trained(style, train
     sample = chat(Conversation("t", TOOL_TURNS))
     masked = "".join(masked_runs(tok, sample))
     assert all(t in masked for t in trained) and "What is the weather" not in masked and "rain, 4" not in masked
+
+
+def test_inline_think_is_split_into_reasoning_for_templates_that_render_it(make_tokenizer):
+    """Reasoning written inline (`<think>…</think>` at the start of content) reaches a template that renders
+    reasoning_content (Kimi style) as reasoning, trained as the same turn written with reasoning_content; a template
+    that renders no reasoning (Llama-3 style) keeps the content as written."""
+    inline = [MULTI[1], {"role": "assistant", "content": "<think>add them</think>The sum of 2 and 3 is 5."}]
+    split = [MULTI[1], {"role": "assistant", "content": "The sum of 2 and 3 is 5.", "reasoning_content": "add them"}]
+    kimi = ChatTokenizer(make_tokenizer("kimi"))
+    assert kimi.renders_reasoning
+    a, b = kimi(Conversation("inline", inline)), kimi(Conversation("split", split))
+    assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
+    assert masked_runs(kimi.tokenizer, a) == ["<think>add them</think>The sum of 2 and 3 is 5.<|im_end|>"]
+    llama = ChatTokenizer(make_tokenizer("llama3"))
+    assert not llama.renders_reasoning
+    assert masked_runs(llama.tokenizer, llama(Conversation("inline", inline))) == \
+        ["<think>add them</think>The sum of 2 and 3 is 5.<|eot_id|>"]

@@ -105,7 +105,7 @@ def test_tool_rounds_train_every_assistant_token_and_no_user_or_tool_text(make_t
     (DeepSeek-V3-style): every assistant content and tool call carries loss, no user or tool text does."""
     import copy
 
-    from tests.data.test_chat_masks import DEEPSEEK_STYLE, GLM_STYLE
+    from tests.templates import DEEPSEEK_STYLE, GLM_STYLE
     tok = copy.deepcopy(make_tokenizer("llama3"))  # the shared tokenizer keeps its own template
     tok.chat_template = {"glm": GLM_STYLE, "deepseek": DEEPSEEK_STYLE}[style]
     chat = ChatTokenizer(tok, max_length=10_000)
