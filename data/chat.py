@@ -19,6 +19,7 @@ turns differently (dropping their reasoning, say) get correct masks.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,26 @@ def split_inline_reasoning(message: dict) -> dict:
     return message | {"reasoning_content": reasoning.strip(), "content": answer.lstrip()}
 
 
+def parsed_tool_arguments(message: dict) -> dict:
+    """A message whose tool calls carry JSON-string arguments (OpenAI's form), with them parsed into mappings;
+    arguments that are not a JSON object stay as written."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        args = (call.get("function") or {}).get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = call | {"function": call["function"] | {"arguments": parsed}}
+        out.append(call)
+    return message | {"tool_calls": out}
+
+
 class ChatTokenizer:
     """Chat template render + assistant loss mask + tokenization, for one target tokenizer."""
 
@@ -72,6 +93,14 @@ class ChatTokenizer:
         probe = [{"role": "user", "content": "ping"},
                  {"role": "assistant", "content": "pong", "reasoning_content": "probe-reasoning"}]
         self.renders_reasoning = "probe-reasoning" in self.render(probe)
+        # Templates that JSON-encode tool arguments themselves (`arguments | tojson`, Qwen style) need a mapping;
+        # OpenAI rows carry a JSON string, which they would write escaped, as a string
+        call = [{"type": "function", "function": {"name": "probe_tool", "arguments": '{"probe_key": 1}'}}]
+        probe = [probe[0], {"role": "assistant", "content": "pong", "tool_calls": call}]
+        try:
+            self.tool_arguments_as_mapping = '\\"probe_key\\"' in self.render(probe)
+        except Exception:  # a template that refuses tool calls in this shape: nothing to adapt
+            self.tool_arguments_as_mapping = False
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -143,6 +172,8 @@ class ChatTokenizer:
         """Render + mask + tokenize (untruncated). Raises MalformedSample naming the sample. What the template
         leaves out of the text (reasoning it does not render, tool declarations it ignores) is counted in `report`."""
         messages = [split_inline_reasoning(m) for m in conv.messages] if self.renders_reasoning else conv.messages
+        if self.tool_arguments_as_mapping:
+            messages = [parsed_tool_arguments(m) for m in messages]
         conv = Conversation(conv.id, messages, conv.heldout, conv.tools)
         try:
             text, spans = self.assistant_spans(conv.messages, conv.tools)

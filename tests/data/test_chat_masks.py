@@ -193,3 +193,24 @@ def test_inline_think_is_split_into_reasoning_for_templates_that_render_it(make_
     assert not llama.renders_reasoning
     assert masked_runs(llama.tokenizer, llama(Conversation("inline", inline))) == \
         ["<think>add them</think>The sum of 2 and 3 is 5.<|eot_id|>"]
+
+
+def test_json_string_tool_arguments_become_a_mapping_for_templates_that_encode_them(make_tokenizer):
+    """OpenAI rows carry tool arguments as a JSON string; a template that JSON-encodes them itself (Qwen style,
+    `arguments | tojson`) gets the mapping, so it writes {"city": "Oslo"} as the model does, not an escaped string;
+    a template that writes them as given (Kimi style) keeps the string."""
+    tok = copy.deepcopy(make_tokenizer("chatml"))
+    tok.chat_template = tok.chat_template.replace(
+        "{{ m.content + '<|im_end|>\\n' }}",
+        "{{ m.content }}{% for t in m.tool_calls or [] %}<tool_call>{{ {'name': t.function.name, "
+        "'arguments': t.function.arguments} | tojson }}</tool_call>{% endfor %}{{ '<|im_end|>\\n' }}")
+    call = [{"type": "function", "function": {"name": "lookup_weather", "arguments": "{\"city\": \"Oslo\"}"}}]
+    turns = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    qwen = ChatTokenizer(tok)
+    assert qwen.tool_arguments_as_mapping
+    assert masked_runs(tok, qwen(Conversation("q", turns))) == \
+        ['<tool_call>{"name": "lookup_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>']
+    kimi = ChatTokenizer(make_tokenizer("kimi"))
+    assert not kimi.tool_arguments_as_mapping
+    text, _ = kimi.assistant_spans(turns)
+    assert '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>' in text
