@@ -127,8 +127,9 @@ class SplitRecord:
             self.training_samples += 1
             self.training_message_keys |= message_keys(conv)
         else:
-            self.heldout.append({"id": conv.id, "group": group, "prompt": first_turn(conv.messages),
-                                 "user_turns": sorted(user_turn_keys(conv))})
+            row = {"id": conv.id, "group": group, "prompt": first_turn(conv.messages),
+                   "user_turns": sorted(user_turn_keys(conv))}
+            self.heldout.append(row | ({"tools": conv.tools} if conv.tools else {}))
 
     def to_json(self) -> dict:
         groups: dict[str, dict] = {}
@@ -145,7 +146,7 @@ class SplitRecord:
                 "groups": {k: {"samples": v["samples"], "prompts": len(v["prompts"])}
                            for k, v in sorted(groups.items())},
                 "heldout_overlap_with_training": overlap(self.heldout, self.training_message_keys),
-                "heldout": [{k: r[k] for k in ("id", "group", "prompt")} for r in self.heldout]}
+                "heldout": [{k: r[k] for k in ("id", "group", "prompt", "tools") if k in r} for r in self.heldout]}
 
 
 def split_line(split: dict) -> str:

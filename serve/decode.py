@@ -121,7 +121,8 @@ def speculative(target: Target, drafter, prompt: list[int], max_new: int, eos: s
 
 
 def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: int = 3, max_new: int = 64,
-        device: str | None = None) -> dict:
+        device: str | None = None, tools: list[list[dict] | None] | None = None) -> dict:
+    """Greedy and speculative decoding of each prompt (with its tool declarations, when given)."""
     from transformers import AutoTokenizer
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -131,8 +132,9 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
     gen_eos = getattr(target.model.generation_config, "eos_token_id", None)
     eos = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None}
     rows, base_s, spec_s, gen, calls = [], 0.0, 0.0, 0, 0
-    for messages in prompts:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for messages, prompt_tools in zip(prompts, tools or [None] * len(prompts)):
+        prompt = tok.apply_chat_template(messages, tools=prompt_tools, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
         base = greedy(target, prompt, max_new, eos)
         spec = speculative(target, drafter, prompt, max_new, eos, steps)
         rows.append({"prompt": messages[-1]["content"], "identical": base.tokens == spec.tokens,

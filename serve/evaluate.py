@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -111,7 +112,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     if split == "eval":
         group_rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
                       for g in record["groups"]}
-        group_prompts = {g: [row_of[i] for i, _ in heldout_prompts(run_dir, g, prompts) if i in row_of]
+        group_prompts = {g: [row_of[p.id] for p in heldout_prompts(run_dir, g, prompts) if p.id in row_of]
                          for g in record["groups"]}
     else:
         group_rows, group_prompts = {"all": list(range(len(data.ds)))}, {"all": []}
@@ -171,16 +172,22 @@ def heldout_record(layout: RunLayout) -> dict:
     return record
 
 
-def heldout_prompts(run_dir: str | Path, group: str, n: int) -> list[tuple[str, list[dict]]]:
-    """(sample id, prompt up to its first user turn) of the first n held-out samples of a group, in data order,
-    distinct prompts only: what serve.decode and serve.smoke decode."""
+class HeldOutPrompt(NamedTuple):
+    id: str
+    messages: list[dict]       # the conversation up to its first user turn
+    tools: list[dict] | None   # the row's tool declarations: the template renders them into the prompt
+
+
+def heldout_prompts(run_dir: str | Path, group: str, n: int) -> list[HeldOutPrompt]:
+    """The first n held-out prompts of a group, in data order, distinct prompts only: what serve.decode and
+    serve.smoke decode."""
     record = read_split(RunLayout(run_dir).split)
     out, seen = [], set()
     for row in record["heldout"]:
-        key = json.dumps(row["prompt"])
+        key = json.dumps([row["prompt"], row.get("tools")])
         if row["group"] == group and key not in seen and len(out) < n:
             seen.add(key)
-            out.append((row["id"], row["prompt"]))
+            out.append(HeldOutPrompt(row["id"], row["prompt"], row.get("tools")))
     return out
 
 
@@ -246,8 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if a.decode and a.split == "eval":
         from .decode import run as decode
-        report["decode"] = {d: {g: decode(report["target"], d, [m for _, m in heldout_prompts(a.run, g, a.decode)],
-                                          a.decode_steps) for g in report["groups"]} for d in a.drafter}
+        prompts = {g: heldout_prompts(a.run, g, a.decode) for g in report["groups"]}
+        report["decode"] = {d: {g: decode(report["target"], d, [p.messages for p in ps], a.decode_steps,
+                                          tools=[p.tools for p in ps]) for g, ps in prompts.items()}
+                            for d in a.drafter}
     (out / "evaluate.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "acceptance.png")
     scalars: dict[int, dict[str, float]] = {}  # x axis: draft steps k

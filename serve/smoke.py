@@ -201,14 +201,14 @@ def prompt_groups(a: argparse.Namespace) -> dict[str, list[list[int]]]:
     if a.run:
         from .evaluate import heldout_groups, heldout_prompts
         reference_decoding(a.run, a.drafter, a.steps[0])  # fail now, not after minutes of server start-up
-        convs = {g: [m for _, m in heldout_prompts(a.run, g, a.limit)] for g in heldout_groups(a.run)}
+        convs = {g: [(p.messages, p.tools) for p in heldout_prompts(a.run, g, a.limit)] for g in heldout_groups(a.run)}
     elif a.prompts:
-        convs = {"prompts": read_prompts(a.prompts)[:a.limit]}
+        convs = {"prompts": [(m, None) for m in read_prompts(a.prompts)[:a.limit]]}
     else:
-        convs = {"default": [[{"role": "user", "content": q}] for q in DEFAULT_PROMPTS]}
+        convs = {"default": [([{"role": "user", "content": q}], None) for q in DEFAULT_PROMPTS]}
     tok = AutoTokenizer.from_pretrained(a.target)
-    return {g: [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in ms]
-            for g, ms in convs.items() if ms}
+    return {g: [tok.apply_chat_template(m, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+                for m, tools in ms] for g, ms in convs.items() if ms}
 
 
 def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]:

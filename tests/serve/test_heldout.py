@@ -31,8 +31,24 @@ def test_a_leak_or_another_split_is_refused_and_prompts_are_distinct(tmp_path):
     layout.train.mkdir()
     layout.train_summary.write_text(json.dumps({"split": {"digest": digest}}))
     assert heldout_record(layout)["heldout_overlap_with_training"] == 0
-    assert [i for i, _ in heldout_prompts(layout.root, "sampled", 5)] == ["a", "c"]  # each prompt once
+    assert [p.id for p in heldout_prompts(layout.root, "sampled", 5)] == ["a", "c"]  # each prompt once
     with pytest.raises(HeldOutLeak, match="1 held-out samples have a prompt that occurs in the training data"):
         heldout_record(write_run(tmp_path / "leak", 1, digest))
     with pytest.raises(HeldOutLeak, match="trained with another held-out split"):
         heldout_record(write_run(tmp_path / "other", 0, "0123"))
+
+
+def test_a_heldout_prompt_keeps_its_tools_for_the_decoders(tmp_path):
+    """The reference decoder and the smoke test render a held-out prompt as training did: with its tools."""
+    from data.conversations import Conversation
+    from data.split import SplitRecord, plan_split
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    conv = Conversation("t", [{"role": "user", "content": "Find it."}, {"role": "assistant", "content": "ok"}],
+                        "unseen", tools)
+    record = SplitRecord(plan_split([conv], 0.0))
+    record.add(conv)
+    layout = RunLayout(tmp_path)
+    layout.data.mkdir(parents=True)
+    layout.split.write_text(json.dumps(record.to_json()))
+    [prompt] = heldout_prompts(tmp_path, "unseen", 4)
+    assert prompt.tools == tools and prompt.messages == [{"role": "user", "content": "Find it."}]
