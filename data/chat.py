@@ -19,6 +19,7 @@ turns differently (dropping their reasoning, say) get correct masks.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -174,7 +175,7 @@ class ChatTokenizer:
         messages = [split_inline_reasoning(m) for m in conv.messages] if self.renders_reasoning else conv.messages
         if self.tool_arguments_as_mapping:
             messages = [parsed_tool_arguments(m) for m in messages]
-        conv = Conversation(conv.id, messages, conv.heldout, conv.tools)
+        conv = dataclasses.replace(conv, messages=messages)
         try:
             text, spans = self.assistant_spans(conv.messages, conv.tools)
         except Exception as e:  # jinja's raise_exception, role-order checks, span search failures

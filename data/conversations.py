@@ -53,7 +53,8 @@ class SkipReport:
 
     def to_json(self) -> dict:
         return {"read": self.read, "kept": self.kept, "truncated": self.truncated,
-                "skipped": dict(sorted(self.skipped.items())), "unrendered_by_template": dict(sorted(self.unrendered.items())), "examples": self.examples}
+                "skipped": dict(sorted(self.skipped.items())),
+                "unrendered_by_template": dict(sorted(self.unrendered.items())), "examples": self.examples}
 
     def summary(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"

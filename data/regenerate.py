@@ -10,6 +10,7 @@ equals the input count.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -148,7 +149,7 @@ def regenerate_conversations(convs: list[Conversation],
             if position[i] < len(conv.messages):
                 waiting.append(i)
         if not waiting:
-            return [(Conversation(c.id, h, c.heldout, c.tools), t) for c, h, t in zip(convs, histories, truncated)]
+            return [(dataclasses.replace(c, messages=h), t) for c, h, t in zip(convs, histories, truncated)]
         replies = generate_batch([list(histories[i]) for i in waiting], [convs[i].tools for i in waiting])
         for i, reply in zip(waiting, replies, strict=True):
             new = {"role": "assistant", "content": reply["content"]}

@@ -27,7 +27,7 @@ from typing import Iterable
 import xxhash
 
 from .conversations import Conversation
-from .files import atomic_write_json
+from .files import atomic_write_json, read_json
 
 SAMPLED_GROUP = "sampled"  # held out by the prompt hash; other group names come from the rows themselves
 SPLIT_RULE = ("held out when xxh64(normalised first user turn) < fraction x 2^64 or the row names a held-out group; "
@@ -61,15 +61,16 @@ def content_key(conv: Conversation) -> int:
     return h.intdigest()
 
 
-def prompt_of(conv: Conversation) -> str:
-    return next(m["content"] for m in conv.messages if m["role"] == "user")
+def prompt_of(messages: list[dict]) -> str:
+    """The prompt a conversation is held out by: its first user turn."""
+    return next(m["content"] for m in messages if m["role"] == "user")
 
 
 def held_out_group(conv: Conversation, fraction: float) -> str | None:
     """The held-out group a conversation belongs to, or None when it is training data."""
     if conv.heldout:
         return conv.heldout
-    return SAMPLED_GROUP if text_key(prompt_of(conv)) < fraction * 2 ** 64 else None
+    return SAMPLED_GROUP if text_key(prompt_of(conv.messages)) < fraction * 2 ** 64 else None
 
 
 def user_turn_keys(conv: Conversation) -> set[int]:
@@ -136,13 +137,13 @@ class SplitRecord:
         for row in self.heldout:
             g = groups.setdefault(row["group"], {"samples": 0, "prompts": set()})
             g["samples"] += 1
-            g["prompts"].add(text_key(prompt_of_messages(row["prompt"])))
+            g["prompts"].add(text_key(prompt_of(row["prompt"])))
         return {"rule": SPLIT_RULE, "fraction": self.plan.fraction, "conversations_read": self.plan.read,
                 "distinct_conversations": self.plan.read - len(self.plan.duplicates),
                 "excluded": dict(sorted(self.excluded.items())),  # duplicate_content, contains_heldout_prompt
                 "training_samples": self.training_samples,
                 "heldout_samples": len(self.heldout),
-                "heldout_prompts": len({text_key(prompt_of_messages(r["prompt"])) for r in self.heldout}),
+                "heldout_prompts": len(set().union(*(g["prompts"] for g in groups.values()))),
                 "groups": {k: {"samples": v["samples"], "prompts": len(v["prompts"])}
                            for k, v in sorted(groups.items())},
                 "heldout_overlap_with_training": overlap(self.heldout, self.training_message_keys),
@@ -172,10 +173,6 @@ def first_turn(messages: list[dict]) -> list[dict]:
     return out
 
 
-def prompt_of_messages(messages: list[dict]) -> str:
-    return next(m["content"] for m in messages if m["role"] == "user")
-
-
 def write_split(path: Path, record: SplitRecord) -> dict:
     split = record.to_json()
     atomic_write_json(path, split)
@@ -188,10 +185,15 @@ class HeldOutLeak(RuntimeError):
 
 def read_split(path: str | Path) -> dict:
     """RUN_DIR/data/split.json, as the data stage wrote it."""
-    path = Path(path)
-    if not path.exists():
+    split = read_json(path)
+    if split is None:
         raise FileNotFoundError(f"{path}: no split record; run the data stage again (it decides the held-out split)")
-    return json.loads(path.read_text())
+    return split
+
+
+def primary_group(groups) -> str:
+    """The group figures are quoted and timed on: the in-distribution held-out prompts where there are any."""
+    return SAMPLED_GROUP if SAMPLED_GROUP in groups else next(iter(groups))
 
 
 def heldout_ids(split: dict) -> set[str]:

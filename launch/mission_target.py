@@ -27,6 +27,7 @@ import random
 import signal
 import sysconfig
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from safetensors.torch import load_file, save_file
 import xxhash
 
 from data.files import atomic_write_json
-from data.split import normalise
+from data.split import normalise, prompt_of
 
 from .demo_target import _task, build_tokenizer
 
@@ -153,13 +154,9 @@ def unseen_family_prompts(n: int, seed: int) -> list[dict]:
 
 def prompt_report(dialogues: list[dict], drafter_convs: list[dict]) -> dict:
     """How the drafter's prompts relate to the target's training dialogues (written beside the prompts)."""
-    def prompt(c: dict) -> str:
-        return normalise(next(m["content"] for m in c["messages"] if m["role"] == "user"))
-    target_prompts = {prompt(c) for c in dialogues}
-    drafter_prompts = [prompt(c) for c in drafter_convs]
-    groups: dict[str, int] = {}
-    for c in drafter_convs:
-        groups[c.get("heldout", "pool")] = groups.get(c.get("heldout", "pool"), 0) + 1
+    target_prompts = {normalise(prompt_of(c["messages"])) for c in dialogues}
+    drafter_prompts = [normalise(prompt_of(c["messages"])) for c in drafter_convs]
+    groups = dict(Counter(c.get("heldout", "pool") for c in drafter_convs))
     return {"rule": "prompt pools split by xxh64(item) % 2, item = stdlib function or normalised question; "
                     f"the '{UNSEEN_FAMILIES}' rows are task families (subtraction, smallest-of) absent from both",
             "drafter_rows": len(drafter_convs), "drafter_distinct_prompts": len(set(drafter_prompts)),

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 from data.config import ConfigError, EyrieConfig, load_config
 from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
-from data.split import SAMPLED_GROUP
+from data.split import primary_group
 
 from . import stage_process
 from .check import launch_problem
@@ -255,12 +255,14 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
                         "completion_tokens": decoded[trained][g]["completion_tokens"],
                         "reference_decoder": decoded[trained][g]["accept_length"],
                         "reference_decoder_untrained": decoded[untrained][g]["accept_length"],
-                        "offline_same_prompts": offline[g]["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
+                        "offline_same_prompts":
+                            offline[g]["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
                         "offline_tau_by_steps": [round(x, 3) for x in offline[g]["accept_length_by_steps"]],
                         "offline_alpha_by_position": [round(x, 3) for x in offline[g]["alpha_by_position"]],
                         "heldout_samples": ev["groups"][g]["samples"], "heldout_tokens": ev["groups"][g]["tokens"]}
                     for g in ev["groups"]}
-        primary = by_group.get(SAMPLED_GROUP) or next(iter(by_group.values()))
+        group = primary_group(by_group)
+        primary = by_group[group]
         report |= {
             "drafter_dir": trained,
             "heldout": {"rule": ev["split_rule"], "groups": ev["groups"],
@@ -271,12 +273,12 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
             "accept_length_by_group": by_group,
             "lossless": all(decoded[d][g]["identical_to_greedy"] for d in (trained, untrained) for g in by_group),
             "accept_length_formula": f"completion tokens / target verify steps (SGLang's spec_accept_length). "
-                                     f"accept_length: reference decoder, {chain}, on the '{SAMPLED_GROUP}' held-out "
+                                     f"accept_length: reference decoder, {chain}, on the '{group}' held-out "
                                      "group's first prompts; offline: the same prompts' stored answers decoded on "
                                      f"their features, {chain}; tau: mean over every held-out position, "
                                      f"{cfg.train.ttt_steps} steps",
-            "speedup_wall_clock": {"value": decoded[trained][next(iter(by_group))]["speedup_wall_clock"],
-                                   "device": decoded[trained][next(iter(by_group))]["device"]}}
+            "speedup_wall_clock": {"value": decoded[trained][group]["speedup_wall_clock"],
+                                   "device": decoded[trained][group]["device"]}}
     if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
         spec = smoke["eagle3"]

@@ -112,7 +112,7 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     if split == "eval":
         group_rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
                       for g in record["groups"]}
-        group_prompts = {g: [row_of[p.id] for p in heldout_prompts(run_dir, g, prompts) if p.id in row_of]
+        group_prompts = {g: [row_of[p.id] for p in heldout_prompts(record, g, prompts) if p.id in row_of]
                          for g in record["groups"]}
     else:
         group_rows, group_prompts = {"all": list(range(len(data.ds)))}, {"all": []}
@@ -178,10 +178,9 @@ class HeldOutPrompt(NamedTuple):
     tools: list[dict] | None   # the row's tool declarations: the template renders them into the prompt
 
 
-def heldout_prompts(run_dir: str | Path, group: str, n: int) -> list[HeldOutPrompt]:
-    """The first n held-out prompts of a group, in data order, distinct prompts only: what serve.decode and
-    serve.smoke decode."""
-    record = read_split(RunLayout(run_dir).split)
+def heldout_prompts(record: dict, group: str, n: int) -> list[HeldOutPrompt]:
+    """The first n held-out prompts of a group of a split record (data/split.py), in data order, distinct prompts
+    only: what serve.decode and serve.smoke decode."""
     out, seen = [], set()
     for row in record["heldout"]:
         key = json.dumps([row["prompt"], row.get("tools")])
@@ -191,13 +190,9 @@ def heldout_prompts(run_dir: str | Path, group: str, n: int) -> list[HeldOutProm
     return out
 
 
-def heldout_groups(run_dir: str | Path) -> list[str]:
-    return list(read_split(RunLayout(run_dir).split)["groups"])
-
-
 def print_table(report: dict) -> None:
     names = list(report["drafters"])
-    print(f"offline evaluator ({report['chain'].split(',')[0]}), chain drafting, top-k 1; accept = tau(k) over "
+    print(f"offline evaluator, chain drafting, top-k 1; accept = tau(k) over "
           f"positions, decoded = walked answer by answer, prompts = {report['formulas']['prompts']}; "
           f"speedup = accept / (1 + steps x {report['draft_cost']})")
     for group, sizes in report["groups"].items():
@@ -253,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if a.decode and a.split == "eval":
         from .decode import run as decode
-        prompts = {g: heldout_prompts(a.run, g, a.decode) for g in report["groups"]}
+        record = read_split(RunLayout(a.run).split)
+        prompts = {g: heldout_prompts(record, g, a.decode) for g in report["groups"]}
         report["decode"] = {d: {g: decode(report["target"], d, [p.messages for p in ps], a.decode_steps,
                                           tools=[p.tools for p in ps]) for g, ps in prompts.items()}
                             for d in a.drafter}

@@ -7,9 +7,10 @@
 Export consolidates the DeepSpeed checkpoint (any ZeRO stage, with DeepSpeed's zero_to_fp32), writes
 `config.json` + `model.safetensors` (bf16 weights, int64 `d2t`, bool `t2d`) + a model card, validates the key
 set, shapes, vocab and layer ids, and then, when sglang is importable, loads the directory through SGLang's
-own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config; with `--target`, a config naming none takes
-SGLang's default ids for that target), validates it the same way and writes it in this layout, its weights in
-their stored dtype: `train.warm_start` (which keeps its RoPE and norm settings) and `serve.evaluate` take it.
+own loader (serve/sglang_check.py). Import reads a published drafter (its layer ids from its config; with
+`--target`, a config naming none takes SGLang's default ids for that target), validates it the same way and
+writes it in this layout, its weights in their stored dtype: `train.warm_start` (which keeps its RoPE and norm
+settings) and `serve.evaluate` take it.
 `--untrained-like` writes a freshly initialised drafter of the same shape, vocab and layer ids: the baseline
 that shows what training bought.
 """

@@ -41,7 +41,7 @@ from pathlib import Path
 from data.environment import environment
 from data.files import file_checksum
 from data.layout import RunLayout
-from data.split import SAMPLED_GROUP
+from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
@@ -63,9 +63,9 @@ def cycle_costs(step_ms: dict, cycle_ms: dict, accept: float | None, steps: int)
     target verify) against a plain decode step. Speculation pays once the accept length exceeds cycle / step (the
     break-even accept length); a break-even above steps + 1, the most one cycle emits, means no drafter pays at
     this chain length: overhead, not drafter quality. The range pairs the repeats' extreme medians."""
-    steps_med, cycles_med = step_ms["repeat_medians"], cycle_ms["repeat_medians"]
-    break_even = {"median": cycle_ms["median"] / step_ms["median"],
-                  "min": min(cycles_med) / max(steps_med), "max": max(cycles_med) / min(steps_med)}
+    def of_repeats(ms: dict) -> dict:  # the median of every step, the extremes of the repeats' medians
+        return {"median": ms["median"], "min": min(ms["repeat_medians"]), "max": max(ms["repeat_medians"])}
+    break_even = ratio(of_repeats(cycle_ms), of_repeats(step_ms))
     limited_by = ("nothing: the accept length is above break-even" if accept and accept > break_even["max"] else
                   "overhead: a cycle costs more decode steps than it can emit" if break_even["min"] > steps + 1 else
                   "drafter quality: a higher accept length would pay" if accept and accept < break_even["min"] else
@@ -135,7 +135,7 @@ def outputs(server: Server, prompts: list[list[int]], max_new: int) -> dict:
 
 def measure(server: Server, groups: dict[str, list[list[int]]], a: argparse.Namespace, concurrency: list[int],
             speculative: bool) -> dict:
-    timing_prompts = groups[timing_group(groups)]
+    timing_prompts = groups[primary_group(groups)]
     server.generate(timing_prompts[0], 8)  # untimed warm-up
     out = {"groups": {g: outputs(server, prompts, a.max_new_tokens) for g, prompts in groups.items()}}
     medians, every = [], []
@@ -157,11 +157,6 @@ def measure(server: Server, groups: dict[str, list[list[int]]], a: argparse.Name
         out["passes"][str(c)] = passes
         out["tokens_per_s"][str(c)] = spread([p["tokens_per_s"] for p in passes])
     return out
-
-
-def timing_group(groups: dict) -> str:
-    """The prompts timed: the in-distribution held-out group where there is one."""
-    return SAMPLED_GROUP if SAMPLED_GROUP in groups else next(iter(groups))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -199,9 +194,10 @@ def prompt_groups(a: argparse.Namespace) -> dict[str, list[list[int]]]:
 
     from .decode import read_prompts
     if a.run:
-        from .evaluate import heldout_groups, heldout_prompts
+        from .evaluate import heldout_prompts
         reference_decoding(a.run, a.drafter, a.steps[0])  # fail now, not after minutes of server start-up
-        convs = {g: [(p.messages, p.tools) for p in heldout_prompts(a.run, g, a.limit)] for g in heldout_groups(a.run)}
+        record = read_split(RunLayout(a.run).split)
+        convs = {g: [(p.messages, p.tools) for p in heldout_prompts(record, g, a.limit)] for g in record["groups"]}
     elif a.prompts:
         convs = {"prompts": [(m, None) for m in read_prompts(a.prompts)[:a.limit]]}
     else:
@@ -278,7 +274,7 @@ def compare(report: dict, a: argparse.Namespace) -> dict:
     base = report["baseline"]
     for name, n in zip(spec_names(a.steps), a.steps):
         measured = report[name]
-        timed = timing_group(measured["groups"])
+        timed = primary_group(measured["groups"])
         speedup = {c: ratio(measured["tokens_per_s"][c], base["tokens_per_s"][c]) for c in measured["tokens_per_s"]}
         measured |= {"chain": chain(n), "parity": parity(measured, base),
                      "accept_length_by_group": {g: r["accept_length"] for g, r in measured["groups"].items()},
@@ -353,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"target": a.target, "drafter": a.drafter, "tp": a.tp, "steps": a.steps,
               "prompts": {g: len(p) for g, p in groups.items()}, "max_new_tokens": a.max_new_tokens,
               "timing": {"repeats": a.repeats, "pass_seconds": a.pass_seconds,
-                         "max_new_tokens": a.timing_max_new_tokens, "prompts": timing_group(groups)},
+                         "max_new_tokens": a.timing_max_new_tokens, "prompts": primary_group(groups)},
               "environment": environment(), "gpu_memory_before_mib": gpu_memory_used_mib()}
     report = compare(report | run_servers(a, groups, out), a)
     (out / "report.json").write_text(json.dumps(report, indent=1))

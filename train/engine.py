@@ -196,7 +196,8 @@ def warm_start(model: torch.nn.Module, drafter_dir: str | Path, target: str | Pa
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no safetensors in the warm-start drafter directory")
-    tensors = {k: v for f in files for k, v in load_safetensors(f, "serve.export (or the drafter's publisher)").items()}
+    written_by = "serve.export (or the drafter's publisher)"
+    tensors = {k: v for f in files for k, v in load_safetensors(f, written_by).items()}
     own = model.state_dict()
     for name in ("d2t", "t2d"):
         if name in tensors and not torch.equal(tensors[name].to(own[name].dtype), own[name]):
@@ -248,12 +249,16 @@ class Checkpoints:
         path = self.dir / BEST_FILE
         return json.loads(path.read_text()) if path.exists() else None
 
+    def _tags(self) -> list[str]:
+        """The saved tags, oldest first."""
+        return sorted((p.name for p in self.dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                      key=lambda name: int(name[4:]))
+
     def _prune(self) -> None:
-        tags = sorted((p for p in self.dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
         best = (self.best() or {}).get("tag")
-        for old in tags[:-self.keep_last]:
-            if old.name != best:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in self._tags()[:-self.keep_last]:
+            if old != best:
+                shutil.rmtree(self.dir / old, ignore_errors=True)
 
     def complete(self, tag: str) -> bool:
         """A tag with the trainer state, DeepSpeed's model states and no empty file (a copy cut short)."""
@@ -262,9 +267,7 @@ class Checkpoints:
             all(f.stat().st_size > 0 for f in d.iterdir() if f.is_file())
 
     def newest_complete(self, other_than: str | None = None) -> str | None:
-        tags = sorted((p.name for p in self.dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
-                      key=lambda name: int(name[4:]), reverse=True)
-        return next((t for t in tags if t != other_than and self.complete(t)), None)
+        return next((t for t in reversed(self._tags()) if t != other_than and self.complete(t)), None)
 
     def resume_tag(self) -> str | None:
         """The checkpoint to resume from: `latest`, or, when it names a missing or incomplete tag, the newest
@@ -291,12 +294,11 @@ class Checkpoints:
         tag = self.resume_tag()
         if tag is None:
             return None
+        error = ""
         try:
             path, _ = engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=False)
         except (AssertionError, RuntimeError, OSError, KeyError, ValueError) as e:
             path, error = None, f" ({type(e).__name__}: {e})"
-        else:
-            error = ""
         if path is None:
             raise RuntimeError(f"{self.dir / tag}: DeepSpeed could not load this checkpoint{error}; the newest other "
                                f"complete one is {self.newest_complete(other_than=tag) or 'none'}")

@@ -1,5 +1,6 @@
-"""Batches over the feature shards: the data stage's held-out split (data/split.py), length-grouped token-budget batches, a seeded order
-that depends only on (seed, epoch) so a resumed run sees the same batches, and a prefetch thread.
+"""Batches over the feature shards: the data stage's held-out split (data/split.py), length-grouped token-budget
+batches, a seeded order that depends only on (seed, epoch) so a resumed run sees the same batches, and a prefetch
+thread.
 
 Every rank builds the same plan and takes every world-th batch (the tail that does not divide evenly is
 dropped), so ranks step in lockstep. The position in the plan is (epoch, micro-batch index): the whole

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the repository root, for serve.timing
+from serve.timing import ratio, spread, verdict  # noqa: E402  the smoke test's own rule for a speedup
 RESULTS, OUT = HERE / "results", HERE / "RESULTS.md"
 HEADER = """# Benchmark results
 
@@ -30,19 +31,12 @@ run on one machine. Measurements recorded before results files existed are in th
 """
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def fmt(s: dict, digits: int = 1) -> str:
     return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
 
 
 def speedup(eagle: list[float], base: list[float]) -> str:
-    e, b = spread(eagle), spread(base)
-    r = {"median": e["median"] / b["median"], "min": e["min"] / b["max"], "max": e["max"] / b["min"]}
-    word = "faster" if r["min"] > 1 else "slower" if r["max"] < 1 else "no measurable difference"
-    return f"{word}: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+    return verdict(ratio(spread(eagle), spread(base)))
 
 
 def provenance(record: dict) -> list[str]:

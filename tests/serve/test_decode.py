@@ -7,6 +7,8 @@ import torch
 
 from serve.decode import Target, greedy, speculative
 from serve.drafter_dir import load_drafter, read_config
+from data.layout import RunLayout
+from data.split import read_split
 from serve.evaluate import heldout_prompts
 
 
@@ -70,7 +72,7 @@ def test_lossless_with_four_draft_steps_trained_and_untrained(demo_run):
     for name in ("drafter", "drafter-untrained"):
         drafter = load_drafter(run / name, target_path, torch.device("cpu"))
         generated = calls = 0
-        for _, messages, _ in heldout_prompts(run, "sampled", 6):
+        for _, messages, _ in heldout_prompts(read_split(RunLayout(run).split), "sampled", 6):
             prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             base = greedy(target, prompt, 48, {tok.eos_token_id})
             spec = speculative(target, drafter, prompt, 48, {tok.eos_token_id}, steps=4)

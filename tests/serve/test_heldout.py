@@ -5,7 +5,7 @@ import json
 import pytest
 
 from data.layout import RunLayout
-from data.split import HeldOutLeak, split_digest
+from data.split import HeldOutLeak, read_split, split_digest
 from serve.evaluate import heldout_prompts, heldout_record
 
 
@@ -31,7 +31,7 @@ def test_a_leak_or_another_split_is_refused_and_prompts_are_distinct(tmp_path):
     layout.train.mkdir()
     layout.train_summary.write_text(json.dumps({"split": {"digest": digest}}))
     assert heldout_record(layout)["heldout_overlap_with_training"] == 0
-    assert [p.id for p in heldout_prompts(layout.root, "sampled", 5)] == ["a", "c"]  # each prompt once
+    assert [p.id for p in heldout_prompts(read_split(layout.split), "sampled", 5)] == ["a", "c"]  # each prompt once
     with pytest.raises(HeldOutLeak, match="1 held-out samples have a prompt that occurs in the training data"):
         heldout_record(write_run(tmp_path / "leak", 1, digest))
     with pytest.raises(HeldOutLeak, match="trained with another held-out split"):
@@ -50,5 +50,5 @@ def test_a_heldout_prompt_keeps_its_tools_for_the_decoders(tmp_path):
     layout = RunLayout(tmp_path)
     layout.data.mkdir(parents=True)
     layout.split.write_text(json.dumps(record.to_json()))
-    [prompt] = heldout_prompts(tmp_path, "unseen", 4)
+    [prompt] = heldout_prompts(read_split(layout.split), "unseen", 4)
     assert prompt.tools == tools and prompt.messages == [{"role": "user", "content": "Find it."}]
