@@ -35,18 +35,21 @@ def test_a_speedup_whose_range_holds_one_is_no_measurable_difference():
 
 def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
     """A stand-in record (not a measurement: made-up step times) through the train_step renderer."""
-    def row(peer: str, seconds: list[float]) -> dict:
+    def row(peer: str, seconds: list[float], peak_gib: float = 30.1) -> dict:
         ordered = sorted(seconds)
         return {"peer": peer, "shape": "llama3-8b", "T": 2048, "step_seconds": seconds,
                 "tokens_per_s": round(2048 / ordered[len(ordered) // 2]),
                 "tokens_per_s_min": round(2048 / max(seconds)),
-                "tokens_per_s_max": round(2048 / min(seconds)), "peak_gib": 30.1, "resident_gib": 4.2, "mfu": 0.41,
+                "tokens_per_s_max": round(2048 / min(seconds)), "peak_gib": peak_gib, "resident_gib": 4.2, "mfu": 0.41,
                 "mfu_of_dense_peak": 0.33, "peak_bf16_matmul_tflops": 790.0}
     record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python bench_train.py"],
               "environment": {"device": ["NVIDIA H100"], "cpu_count": 16, "python": "3.12", "versions": {"torch": "2"}},
               "results": {"steps": 3, "dense_bf16_peak_tflops": 989.0,
-                          "rows": [row("eyrie", [0.10, 0.11, 0.12]), row("specforge", [0.13, 0.14, 0.15]),
+                          "rows": [row("specforge", [0.13, 0.14, 0.15]), row("eyrie", [0.10, 0.11, 0.12], peak_gib=19.9),
                                    {"peer": "specforge-compact", "shape": "llama3-8b", "error": "not importable"}]}}
     text = "\n".join(render_results.render_train_step(record))
-    assert "| llama3-8b | 2,048 | specforge | 14,629 (13,653-15,754) | faster: 1.27x (1.08-1.50) |" in text
+    assert "| llama3-8b | 2,048 | specforge | 14,629 (13,653-15,754) | faster: 1.27x (1.08-1.50) | 30.1 | 1.00 |" \
+        in text
+    assert "| llama3-8b | 2,048 | eyrie | 18,618 (17,067-20,480) |  | 19.9 | 0.66 |" in text  # listed first
+    assert text.index("| eyrie |") < text.index("| specforge |")
     assert "41.0% of 790 | 33.0% |" in text and "specforge-compact llama3-8b T=-: not importable" in text

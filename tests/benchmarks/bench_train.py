@@ -480,6 +480,8 @@ def main() -> None:
         for shape in a.shapes.split(","):
             for peer in peers:
                 out["rows"] += child_rows(peer, shape, a)
+                if a.record:  # after each peer: a run cut short by a time limit keeps the rows it measured
+                    record(a.record, sys.argv[1:], out)
     else:
         from train.main import setup_distributed
         setup_distributed()
