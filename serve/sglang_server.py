@@ -106,7 +106,7 @@ class Server:
 
     def stream(self, input_ids: list[int], max_new: int) -> list[tuple[float, int, int]]:
         """One greedy request streamed to its end, ignoring EOS so that it runs max_new tokens: (arrival time,
-        cumulative completion tokens, cumulative verify count) per chunk, for serve.timing.step_times."""
+        cumulative completion tokens, cumulative verify count) per chunk, for serve.timing.decode_ms."""
         body = {"input_ids": input_ids, "stream": True,
                 "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
         chunks, pending = [], b""

@@ -13,8 +13,9 @@ speculative mode otherwise; decode CUDA graphs for the concurrencies' batch size
 timeout (large targets take minutes). On each server, at temperature 0:
 - outputs: each prompt group once, single-stream (`max_new_tokens`, 64 as the reference decoder): parity with the
   baseline per group, and the accept length = completion tokens / target verify steps (SGLang's spec_accept_length);
-- step costs, measured: `--repeats` streamed requests of `--timing-max-new-tokens` tokens, the time between chunks
-  = one plain decode step or one speculative cycle (draft + verify); the break-even accept length is their ratio;
+- step costs, measured: `--repeats` requests of `--timing-max-new-tokens` tokens, each streamed alone: its decode
+  time (first chunk to last) over its plain decode steps or its speculative cycles (draft + verify, SGLang's verify
+  count) is one step's or cycle's cost (serve/timing.py); the break-even accept length is their ratio;
 - tokens/s: `--repeats` passes of at least `--pass-seconds` at each concurrency on the first group's prompts
   (serve/timing.py); the speedup is median over median with the range of the repeats, and a range that straddles
   1.0 reads "no measurable difference".
@@ -45,7 +46,7 @@ from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
-from .timing import ratio, spread, step_times, timed_pass, verdict
+from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",
                    "Write a short note from Ada about a falcon.", "Spell the word harbor."]
@@ -62,18 +63,17 @@ def cycle_costs(step_ms: dict, cycle_ms: dict, accept: float | None, steps: int)
     """Why speculation pays or not single-stream, from the measured costs: a verify cycle (the drafts plus one
     target verify) against a plain decode step. Speculation pays once the accept length exceeds cycle / step (the
     break-even accept length); a break-even above steps + 1, the most one cycle emits, means no drafter pays at
-    this chain length: overhead, not drafter quality. The range pairs the repeats' extreme medians."""
-    def of_repeats(ms: dict) -> dict:  # the median of every step, the extremes of the repeats' medians
-        return {"median": ms["median"], "min": min(ms["repeat_medians"]), "max": max(ms["repeat_medians"])}
-    break_even = ratio(of_repeats(cycle_ms), of_repeats(step_ms))
+    this chain length: overhead, not drafter quality. The range pairs the repeats' extremes."""
+    break_even = ratio(cycle_ms, step_ms)
     limited_by = ("nothing: the accept length is above break-even" if accept and accept > break_even["max"] else
                   "overhead: a cycle costs more decode steps than it can emit" if break_even["min"] > steps + 1 else
                   "drafter quality: a higher accept length would pay" if accept and accept < break_even["min"] else
                   "undecided: the accept length is within the break-even's range")
     return {"plain_step_ms": step_ms, "cycle_ms": cycle_ms, "break_even_accept_length": break_even,
             "accept_length": accept, "most_tokens_per_cycle": steps + 1, "limited_by": limited_by,
-            "how": "client-side time between streamed chunks of one request (stream interval 1): one chunk per plain "
-                   "decode step or per speculative cycle; break-even = cycle / step"}
+            "how": "one request streamed alone per repeat: the time from its first chunk (prefill) to its last over "
+                   "the plain decode steps or speculative cycles (SGLang's verify count) in between; break-even = "
+                   "cycle / step"}
 
 
 def sglang_auto_dtype(declared: str | None) -> str:
@@ -138,16 +138,18 @@ def measure(server: Server, groups: dict[str, list[list[int]]], a: argparse.Name
     timing_prompts = groups[primary_group(groups)]
     server.generate(timing_prompts[0], 8)  # untimed warm-up
     out = {"groups": {g: outputs(server, prompts, a.max_new_tokens) for g, prompts in groups.items()}}
-    medians, every = [], []
+    per_request, streams = [], []
     for r in range(a.repeats):
-        times = step_times(server.stream(timing_prompts[r % len(timing_prompts)], a.timing_max_new_tokens),
-                           speculative)
-        if not times:
+        chunks = server.stream(timing_prompts[r % len(timing_prompts)], a.timing_max_new_tokens)
+        ms = decode_ms(chunks, speculative)
+        if ms is None:
             raise RuntimeError(f"{server.log.stem}: a streamed request of {a.timing_max_new_tokens} tokens came back "
-                               "in one chunk; no step could be timed")
-        medians.append(statistics.median(times))
-        every += times
-    out["step_ms"] = {k: v for k, v in spread(every).items() if k != "values"} | {"repeat_medians": medians}
+                               "in one chunk or without a verify count; no step could be timed")
+        per_request.append(ms)
+        # kept raw (arrival s from the request's first chunk, tokens, verify count): a cost can be timed again
+        streams.append([(round(t - chunks[0][0], 6), tokens, verify) for t, tokens, verify in chunks])
+    out["step_ms"] = {k: v for k, v in spread(per_request).items() if k != "values"} | {"repeats": per_request}
+    out["streams"] = streams
     out["tokens_per_s"], out["passes"] = {}, {}
     for c in concurrency:
         with ThreadPoolExecutor(c) as pool:  # untimed warm-up: kernels built for this batch size are not timed
@@ -314,7 +316,7 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
         costs = m["costs"]
         be = costs["break_even_accept_length"]
         print(f"  single request: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
-              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} cycles) → break-even "
+              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} requests) → break-even "
               f"accept length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {n + 1}; limited by "
               f"{costs['limited_by']}")
     if "error" in report.get("deterministic", {}):

@@ -4,9 +4,11 @@ min-max, ratios taken within one run, and per-step costs measured from a streame
 - `timed_pass`: c clients send the prompts in a fixed cycle, each starting a new request as its last one returns,
   until `min_seconds` have passed; tokens/s = completion tokens / the pass's wall time (the requests in flight at
   the deadline finish and count).
-- `step_times`: one request streamed with stream interval 1: SGLang sends a chunk after every decode step (plain) or
-  verify cycle (speculative), with the cumulative completion tokens and verify count in its meta_info, so the time
-  between chunks divided by the steps (or cycles) it covers is one step's (cycle's) cost, as seen by a client.
+- `decode_ms`: one request streamed alone (stream interval 1): the time from its first chunk (the prefill's token)
+  to its last, over the plain decode steps (tokens) or the speculative cycles (draft + verify: the verify count
+  SGLang reports when the request finishes) in between, is one step's (cycle's) cost as a client sees it. Per-chunk
+  gaps cannot be attributed: SGLang 0.5.14 streams `spec_verify_ct` only in the finished chunk, and a client that
+  falls behind gets several steps' events at once.
 - `spread` / `ratio`: median with min-max; a ratio's range pairs the extremes, and a range that straddles 1.0 is
   "no measurable difference".
 """
@@ -62,15 +64,13 @@ def timed_pass(generate: Callable[[list[int], int], dict], prompts: list[list[in
     return done | {"seconds": seconds, "tokens_per_s": done["completion_tokens"] / seconds}
 
 
-def step_times(chunks: list[tuple[float, int, int]], speculative: bool) -> list[float]:
-    """Milliseconds per decode step (plain) or verify cycle (speculative) from a streamed request's chunks
-    (arrival time, cumulative completion tokens, cumulative verify count). The first chunk (prefill) is skipped; a
-    chunk that covers several steps (the client fell behind and SGLang merged them) counts as that many, each
-    at the chunk's time divided by them."""
-    out = []
-    counted = speculative and chunks and chunks[-1][2] > 0  # a server that streams no verify count: a chunk a cycle
-    for (t0, tok0, ver0), (t1, tok1, ver1) in zip(chunks, chunks[1:]):
-        steps = (ver1 - ver0 if counted else 1) if speculative else (tok1 - tok0)
-        if steps > 0:
-            out += [1000 * (t1 - t0) / steps] * steps
-    return out
+def decode_ms(chunks: list[tuple[float, int, int]], speculative: bool) -> float | None:
+    """Milliseconds per plain decode step or per speculative cycle of one streamed request, from its chunks (arrival
+    time, cumulative completion tokens, cumulative verify count: 0 until the finished chunk). None when nothing
+    after the first chunk can be counted (one chunk, or a server that reports no verify count)."""
+    if len(chunks) < 2:
+        return None
+    (t0, tokens0, verify0), (t1, tokens1, verify1) = chunks[0], chunks[-1]
+    # the first chunk is the prefill's token (no verify): every cycle counted by the finished chunk came after it
+    steps = verify1 - verify0 if speculative else tokens1 - tokens0
+    return 1000 * (t1 - t0) / steps if steps > 0 else None

@@ -102,7 +102,9 @@ def render_mission(record: dict) -> list[str]:
 
 def render_train_step(record: dict) -> list[str]:
     r = record["results"]
-    out = [f"## Drafter training step, side by side with SpecForge ({record['date']})", ""] + provenance(record)
+    shapes = ", ".join(dict.fromkeys(row["shape"] for row in r["rows"]))
+    out = [f"## Drafter training step, side by side with SpecForge: {shapes} ({record['date']})", ""]
+    out += provenance(record)
     out += [f"One GPU; each peer in a process of its own on the same random inputs; {r['steps']} timed steps per row "
             "after an untimed one: tokens/s median (min-max over the steps), the ratio to Eyrie's (Eyrie / peer, "
             "median over median, range pairing the extremes). Peak: max allocated over the timed steps, weights and "

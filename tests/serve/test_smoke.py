@@ -7,7 +7,7 @@ import torch
 
 from serve.sglang_server import decode_graph_args
 from serve.smoke import accept_length, compare_with_run, cycle_costs, measured_once, server_key
-from serve.timing import NO_DIFFERENCE, ratio, spread, step_times, timed_pass, verdict
+from serve.timing import NO_DIFFERENCE, decode_ms, ratio, spread, timed_pass, verdict
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -25,13 +25,18 @@ def test_speedups_are_medians_with_the_range_of_the_repeats_and_a_straddle_is_no
     assert verdict(ratio(base, fast)).startswith("slower")
 
 
-def test_step_times_are_the_gaps_between_streamed_chunks_per_step_or_cycle():
-    # (arrival s, cumulative tokens, cumulative verify count): a prefill chunk, then one step per chunk except one
+def test_a_step_or_cycle_is_a_streamed_requests_decode_time_over_its_steps_or_cycles():
+    # (arrival s, cumulative tokens, cumulative verify count): a prefill chunk, then a step per chunk except one
     # merged chunk of two steps
     plain = [(0.0, 1, 0), (0.002, 2, 0), (0.004, 3, 0), (0.010, 5, 0)]
-    assert step_times(plain, speculative=False) == pytest.approx([2.0, 2.0, 3.0, 3.0])
-    spec = [(0.0, 1, 0), (0.006, 4, 1), (0.012, 6, 2), (0.030, 10, 4)]  # cycles emit 3, 2, then 2 x 2 tokens
-    assert step_times(spec, speculative=True) == pytest.approx([6.0, 6.0, 9.0, 9.0])
+    assert decode_ms(plain, speculative=False) == pytest.approx(2.5)  # 10 ms over 4 steps
+    # SGLang 0.5.14 streams spec_verify_ct only in the finished chunk (tokenizer_manager: the spec metrics are
+    # added when the request finishes): 4 cycles after the prefill, emitting 3, 2, then 2 x 2 tokens in 30 ms.
+    # Taking gaps between the chunks' counts once timed a 0.026 ms "cycle" (the last gap over every cycle)
+    spec = [(0.0, 1, 0), (0.006, 4, 0), (0.012, 6, 0), (0.030, 10, 4)]
+    assert decode_ms(spec, speculative=True) == pytest.approx(7.5)
+    assert decode_ms(spec[:1], speculative=True) is None  # one chunk: nothing to time
+    assert decode_ms([(0.0, 1, 0), (0.01, 5, 0)], speculative=True) is None  # no verify count: not a cycle count
 
 
 def test_a_timed_pass_keeps_every_client_busy_until_its_time_is_up():
@@ -55,15 +60,15 @@ def test_a_timed_pass_keeps_every_client_busy_until_its_time_is_up():
 
 
 def test_cycle_costs_tell_overhead_from_drafter_quality():
-    step = {"median": 2.0, "repeat_medians": [1.9, 2.0, 2.1]}
-    pays = cycle_costs(step, {"median": 4.0, "repeat_medians": [3.9, 4.0, 4.2]}, 2.5, 3)
+    step = spread([1.9, 2.0, 2.1])
+    pays = cycle_costs(step, spread([3.9, 4.0, 4.2]), 2.5, 3)
     assert pays["break_even_accept_length"] == pytest.approx({"median": 2.0, "min": 3.9 / 2.1, "max": 4.2 / 1.9})
     assert pays["limited_by"].startswith("nothing")
-    quality = cycle_costs(step, {"median": 6.0, "repeat_medians": [5.9, 6.0, 6.1]}, 2.5, 3)
+    quality = cycle_costs(step, spread([5.9, 6.0, 6.1]), 2.5, 3)
     assert quality["limited_by"].startswith("drafter quality")  # 3 steps' cost, under the 4 tokens a cycle emits
-    overhead = cycle_costs(step, {"median": 10.0, "repeat_medians": [9.9, 10.0, 10.2]}, 2.5, 3)
+    overhead = cycle_costs(step, spread([9.9, 10.0, 10.2]), 2.5, 3)
     assert overhead["limited_by"].startswith("overhead") and overhead["most_tokens_per_cycle"] == 4
-    assert cycle_costs(step, {"median": 5.0, "repeat_medians": [4.8, 5.0, 5.2]}, 2.5, 3)["limited_by"].startswith(
+    assert cycle_costs(step, spread([4.8, 5.0, 5.2]), 2.5, 3)["limited_by"].startswith(
         "undecided")  # 2.29-2.74 holds 2.5
 
 
@@ -73,8 +78,7 @@ def canned_measurement(tokens_per_s: dict, accept: float | None, texts: list[str
              "verify_steps": 16 if accept else 0, "accept_length": accept, "spec_accept_length_mean": accept,
              "per_prompt": [{"completion_tokens": 20, "verify_steps": 8}] * len(texts)}
     return {"groups": {"default": group},
-            "step_ms": {"median": step_ms, "min": step_ms * 0.9, "max": step_ms * 1.5, "n": 765,
-                        "repeat_medians": [step_ms * 0.98, step_ms, step_ms * 1.02]},
+            "step_ms": spread([step_ms * 0.98, step_ms, step_ms * 1.02]),
             "tokens_per_s": {c: spread([v * 0.98, v, v * 1.02]) for c, v in tokens_per_s.items()}, "passes": {}}
 
 
@@ -246,8 +250,9 @@ def test_smoke_on_the_demo(demo_run, tmp_path):
 @pytest.mark.parametrize("chunked", [True, False])  # chunked: as uvicorn (SGLang's HTTP server) streams
 def test_streamed_steps_are_timed_as_they_arrive(chunked):
     """Server.stream against a stand-in SSE endpoint (not SGLang: a local http.server writing /generate's event
-    format): an event every 20 ms is timed at 20 ms, and events that arrive together count as one chunk whose
-    time covers the steps it holds (iter_lines' 512-byte buffering once timed 0.02 ms cycles)."""
+    format, the verify count only in the finished event as SGLang 0.5.14 sends it): an event every 20 ms arrives
+    20 ms apart, and events that arrive together are one chunk (iter_lines' 512-byte buffering once gave several
+    steps one arrival time)."""
     import http.server
     import threading
     import time
@@ -268,13 +273,17 @@ def test_streamed_steps_are_timed_as_they_arrive(chunked):
             if chunked:
                 self.wfile.write = lambda data: raw_write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
-            def event(tokens: int, verify: int) -> bytes:
-                return f"data: {json.dumps({'text': 'x', 'meta_info': {'completion_tokens': tokens, 'spec_verify_ct': verify}})}\n\n".encode()
-            for i in range(1, 7):
-                self.wfile.write(event(3 * i, i))
-                self.wfile.flush()
+            def event(tokens: int, verify: int | None = None) -> bytes:  # SGLang: the verify count when finished
+                meta = {"completion_tokens": tokens} | ({"spec_verify_ct": verify} if verify else {})
+                return f"data: {json.dumps({'text': 'x', 'meta_info': meta})}\n\n".encode()
+            self.wfile.write(event(1))  # the prefill's token, then a 3-token cycle every 20 ms
+            self.wfile.flush()
+            for cycle in range(1, 7):
                 time.sleep(0.02)
-            self.wfile.write(event(21, 7) + event(24, 8))  # two cycles' events in one write
+                self.wfile.write(event(1 + 3 * cycle))
+                self.wfile.flush()
+            time.sleep(0.02)
+            self.wfile.write(event(22) + event(25, verify=8))  # two cycles' events in one write, the last finished
             self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
             if chunked:
@@ -290,7 +299,7 @@ def test_streamed_steps_are_timed_as_they_arrive(chunked):
         chunks = server.stream([1, 2, 3], 24)
     finally:
         httpd.shutdown()
-    assert [c[1:] for c in chunks] == [(3, 1), (6, 2), (9, 3), (12, 4), (15, 5), (18, 6), (24, 8)]
-    cycles = step_times(chunks, speculative=True)
-    assert len(cycles) == 7 and all(15 < ms < 40 for ms in cycles[:5]), cycles  # the 20 ms between events
-    assert all(5 < ms < 25 for ms in cycles[5:]), cycles  # 20 ms over the two cycles that arrived together
+    assert [c[1:] for c in chunks] == [(1, 0), (4, 0), (7, 0), (10, 0), (13, 0), (16, 0), (19, 0), (25, 8)]
+    gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
+    assert all(0.018 < gap < 0.06 for gap in gaps), gaps  # timed as they arrived, not at the end
+    assert 17.5 <= decode_ms(chunks, speculative=True) < 40  # at least 140 ms over 8 cycles  # 20 ms over the two cycles that arrived together
