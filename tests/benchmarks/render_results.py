@@ -84,12 +84,17 @@ def render_mission(record: dict) -> list[str]:
                    f"**{a['sglang']:.3f}** | {a['reference_decoder']:.3f} | {a['offline_same_prompts']:.3f} | "
                    f"{a['offline_tau']:.3f} | {a['reference_decoder_untrained']:.3f} | "
                    f"{a['parity_with_plain_server']:.0%} | {a['token_parity_with_reference_decoder']:.0%} |")
-    t = r["timing"]
-    out += ["", f"### Throughput, plain vs EAGLE3 ({r['chain']})", "",
-            f"Tokens/s, {len(next(iter(r['throughput'].values()))['baseline'])} passes of at least "
-            f"{t['pass_seconds']:g} s per server and concurrency (c clients, each sending the '{t['prompts']}' "
-            f"prompts in turn, {t['max_new_tokens']} new tokens at most, greedy):", "",
-            "| concurrency | plain | EAGLE3 | speedup |", "|---|---|---|---|"]
+    return out + throughput_lines(record)
+
+
+def throughput_lines(record: dict) -> list[str]:
+    """The plain-vs-EAGLE3 table and the measured step costs of a smoke test's results."""
+    r, t = record["results"], record["results"]["timing"]
+    out = ["", f"### Throughput, plain vs EAGLE3 ({r['chain']})", "",
+           f"Tokens/s, {len(next(iter(r['throughput'].values()))['baseline'])} passes of at least "
+           f"{t['pass_seconds']:g} s per server and concurrency (c clients, each sending the '{t['prompts']}' "
+           f"prompts in turn, {t['max_new_tokens']} new tokens at most, greedy):", "",
+           "| concurrency | plain | EAGLE3 | speedup |", "|---|---|---|---|"]
     for c, v in r["throughput"].items():
         out.append(f"| {c} | {fmt(spread(v['baseline']))} | {fmt(spread(v['eagle3']))} | "
                    f"{speedup(v['eagle3'], v['baseline'])} |")
@@ -98,6 +103,22 @@ def render_mission(record: dict) -> list[str]:
         "not measured by this run (see above)." if costs else
         f"step {fmt(r['step_costs']['plain_step_ms'], 3)} ms, cycle {fmt(r['step_costs']['cycle_ms'], 3)} ms."), ""]
     return out
+
+
+def render_smoke(record: dict) -> list[str]:
+    r = record["results"]
+    out = [f"## SGLang smoke test: {r['target']} with {r['drafter']} ({record['date']})", ""] + provenance(record)
+    out += [f"### Accept length ({r['chain']})", "",
+            "Tokens per target verify step (SGLang's `spec_accept_length`): completion tokens / verify steps over "
+            "each group's prompts, one greedy pass.", "",
+            "| group | prompts (tokens) | SGLang | reference decoder | output = plain server | = reference decoder |",
+            "|---|---|---|---|---|---|"]
+    for group, a in r["accept_length"].items():
+        reference = f"{a['reference_decoder']:.3f}" if "reference_decoder" in a else ""
+        same = f"{a['token_parity_with_reference_decoder']:.0%}" if "reference_decoder" in a else ""
+        out.append(f"| {group} | {a['prompts']} ({a['completion_tokens']}) | **{a['sglang']:.3f}** | {reference} | "
+                   f"{a['parity_with_plain_server']:.0%} | {same} |")
+    return out + throughput_lines(record)
 
 
 def render_train_step(record: dict) -> list[str]:
@@ -133,7 +154,7 @@ def render_train_step(record: dict) -> list[str]:
     return out + [""]
 
 
-RENDERERS = {"mission": render_mission, "train_step": render_train_step}
+RENDERERS = {"mission": render_mission, "smoke": render_smoke, "train_step": render_train_step}
 
 
 def render(results: Path = RESULTS) -> str:
