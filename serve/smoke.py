@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
