@@ -11,7 +11,7 @@
 #   device command (x3):  EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/mission.sh   (carry .whl, .sgl)
 #   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7), EYRIE_COMMIT (the
 #   commit the tree is, recorded in the reports: the machine's copy has no .git)
-# The command that reaches the smoke stage first runs the GPU tests (tests/gpu, log gpu-tests.log).
+# The command that reaches the smoke stage first runs the GPU tests (pytest -m gpu, log gpu-tests.log).
 # Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,9 +86,9 @@ timeout -k 20 -s INT "$(within 30)" python3 -m launch.pipeline --config launch/c
 if [ "$(left)" -lt 150 ]; then
   log "smoke: $(left) s left, too few to start a server; run this script again"; exit 0
 fi
-if [ ! -f /tmp/gpu-tests.log ]; then  # once per machine: the GPU tests at this tree (flex kernels, SGLang extraction)
+if [ ! -f /tmp/gpu-tests.log ]; then  # once per machine: the GPU tests at this tree (flex, SGLang extraction, serving)
   log "GPU tests"
-  timeout -k 10 "$(within 360)" python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu 2>&1 | tee /tmp/gpu-tests.log \
+  timeout -k 10 "$(within 360)" python3 -m pytest -q -rfs -p no:cacheprovider -m gpu tests 2>&1 | tee /tmp/gpu-tests.log \
     | tail -5
   if [ "$(left)" -lt 200 ]; then log "smoke: $(left) s left after the GPU tests; run this script again"; exit 0; fi
 fi

@@ -4,8 +4,8 @@ import torch
 
 from train import ttt
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA: flex attention's backward (compiled kernels) was not run")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: flex attention's backward (compiled kernels) was not run")]
 
 
 @pytest.mark.parametrize("T", [256, 1000])  # 1000: not a multiple of flex's 128-wide blocks
