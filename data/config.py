@@ -123,6 +123,20 @@ class DrafterConfig(Section):
     qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: per-head query/key dims without RoPE")
     qk_rope_head_dim: int | None = Field(None, ge=2, description="mla: per-head query/key dims with RoPE")
     v_head_dim: int | None = Field(None, ge=1, description="mla: per-head value dims")
+    # EAGLE-3.1 options, as SGLang 0.5.14 reads them for both classes (config keys of the same names)
+    fc_norm: bool = Field(False, description="an RMSNorm on each aux hidden state before fc (weights fc_norm.{0,1,2})")
+    norm_output: bool = Field(False, description="the next draft step reads the post-norm hidden state, not the "
+                                                 "pre-norm one")
+    norm_before_fc: bool = Field(False, description="refused: SGLang 0.5.14 reads no such key for either class")
+
+    @field_validator("norm_before_fc")
+    @classmethod
+    def _served_options_only(cls, on: bool) -> bool:
+        if on:
+            raise ValueError("SGLang 0.5.14's LlamaForCausalLMEagle3 and Eagle3DeepseekV2ForCausalLM read no "
+                             "norm_before_fc key: a drafter trained with it would be served without it. fc_norm "
+                             "(an RMSNorm on each aux state before fc) is the option SGLang serves")
+        return on
 
 
 class OptimConfig(Section):

@@ -1,6 +1,7 @@
 """SGLang's EAGLE-3 drafter directory: what SGLang's class for the drafter's architecture (train/drafters/:
 `LlamaForCausalLMEagle3`, `Eagle3DeepseekV2ForCausalLM`; each names its attention tensors, the rest is alike)
-loads, and its validation.
+loads, and its validation. With the EAGLE-3.1 option `fc_norm` (or its legacy `use_aux_norm`) it also holds
+fc_norm.{0,1,2}.weight; `norm_output` is a config key only.
 
 A directory holds `config.json` (architectures = that class, `num_hidden_layers: 1`, `vocab_size`
 = the target's, `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, RoPE in both the
@@ -18,12 +19,15 @@ from transformers import LlamaConfig
 from data.files import read_json, safetensors_reader
 from data.target import declared_dtype, load_target_info, load_target_tensors
 from data.vocab import check_draft_vocab
-from train.drafter import Eagle3Drafter
+from train.drafter import Eagle3Drafter, eagle31_options
 from train.drafters import arch_of
 
 
 class DrafterDirError(ValueError):
     pass
+
+
+LEGACY_FC_NORM = {"aux_norm_low": 0, "aux_norm_mid": 1, "aux_norm_high": 2}  # EAGLE-3.1's fc_norm, older names
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -38,6 +42,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "norm.weight": (H,), "lm_head.weight": (config.draft_vocab_size, H),
         "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,),
     }
+    if eagle31_options(config)["fc_norm"]:
+        shapes |= {f"fc_norm.{i}.weight": (config.target_hidden_size,) for i in range(3)}
     if config.hidden_size != config.target_hidden_size:  # the target's embedding does not fit: ship our own
         shapes["embed_tokens.weight"] = (config.vocab_size, H)
     return shapes
@@ -77,6 +83,9 @@ def read_config(directory: str | Path, default_layer_ids: list[int] | None = Non
         raise DrafterDirError(f"{path}: no eagle_config.eagle_aux_hidden_state_layer_ids; an imported drafter's "
                               "layer ids are read, never assumed (import with --target TARGET to take the ids "
                               "SGLang uses for that target when a drafter names none)")
+    if raw.get("norm_before_fc"):
+        raise DrafterDirError(f"{path}: norm_before_fc is set, and SGLang 0.5.14 reads no such key: it would serve "
+                              "this drafter without the norm it was trained with")
     raw.setdefault("target_hidden_size", raw["hidden_size"])
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
     if getattr(config, "head_dim", None) is None:
@@ -100,6 +109,8 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
                 # drafter loader reads both as midlayer.)
                 name = k[len("model."):] if k.startswith("model.") else k
                 name = "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+                for legacy, i in LEGACY_FC_NORM.items():  # SGLang's Llama loader maps these names too
+                    name = name.replace(legacy, f"fc_norm.{i}")
                 tensors[name] = fh.get_tensor(k)
     return tensors
 

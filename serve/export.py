@@ -29,6 +29,7 @@ from data.files import atomic_write_json, read_json
 from data.layout import RunLayout
 from data.shards import read_manifest
 from data.target import declared_dtype, load_target_info
+from train.drafter import eagle31_options
 from train.drafters import arch_of
 
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
@@ -91,7 +92,8 @@ def model_card(config: LlamaConfig, summary: dict, tag: str, features: dict) -> 
   {split.get('heldout_samples', '?')} held out ({split.get('rule', 'split rule not recorded')}; held-out overlap with
   training: {split.get('heldout_overlap_with_training', '?')})
 - Drafter: hidden {config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, MLP
-  {config.intermediate_size}, draft vocab {config.draft_vocab_size} of {config.vocab_size}
+  {config.intermediate_size}, draft vocab {config.draft_vocab_size} of {config.vocab_size}; EAGLE-3.1 options:
+  {', '.join(k for k, on in eagle31_options(config).items() if on) or 'none'}
 - Training: checkpoint `{tag}` of {summary['steps']} steps, {summary['tokens']} tokens, {summary['world_size']} ranks,
   TTT {ttt} steps
 - Accept length (tokens per target verify step, = SGLang's spec_accept_length) for the serve command below

@@ -140,7 +140,16 @@ def check(directory: str | Path) -> dict:
         problems.append("no d2t: SGLang would draft over target ids with a draft-vocab head")
     elif not torch.equal(hot.cpu(), d2t + torch.arange(len(d2t))):
         problems.append("SGLang's hot-token map differs from d2t")
+    # the EAGLE-3.1 options as SGLang built the model, against the config's (a key it ignores is never written)
+    from train.drafter import eagle31_options
+    from transformers import PretrainedConfig
+    written = eagle31_options(PretrainedConfig(**json.loads((Path(directory) / "config.json").read_text())))
+    built = {"fc_norm": getattr(model.model, "fc_norm", None) is not None,
+             "norm_output": bool(getattr(model.model, "norm_output", False))}
+    problems += [f"config says {k}={written[k]}, SGLang built the drafter with {k}={built[k]}"
+                 for k in written if written[k] != built[k]]
     return {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
+            "eagle31_options": built,
             "tensors_in_file": len(file_names), "problems": problems, "ok": not problems}
 
 

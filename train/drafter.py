@@ -11,6 +11,9 @@ output; x = [input_layernorm(embed(tokens)), hidden_norm(h)] (2H) → attention 
 post_attention_layernorm → SwiGLU MLP → + residual = the step's output hidden (pre-norm; SGLang feeds this
 to the next draft step) → norm → lm_head over the draft vocabulary.
 
+EAGLE-3.1 options (config keys SGLang reads for both classes): `fc_norm` normalises each of the three aux states
+(fc_norm.{0,1,2}.weight) before fc; `norm_output` feeds the next draft step the post-norm hidden state.
+
 The attention is the architecture's (train/drafters/: `llama`, or `mla`, DeepSeek-style latent attention
 exported as SGLang's `Eagle3DeepseekV2ForCausalLM`); everything else is the same layer.
 """
@@ -31,6 +34,15 @@ from data.target import TargetInfo
 from .drafters import DRAFTERS, arch_named, arch_of
 from .fused import DraftHead, RMSNorm, SwiGLUMLP
 from .ttt import ttt_attention
+
+# EAGLE-3.1 options SGLang 0.5.14 reads from a drafter's config for both classes (data.config.DrafterConfig)
+EAGLE31_OPTIONS = ("fc_norm", "norm_output")
+
+
+def eagle31_options(config: LlamaConfig) -> dict[str, bool]:
+    """The options as SGLang reads them: `fc_norm`, or its legacy name `use_aux_norm`; `norm_output`."""
+    return {"fc_norm": bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),
+            "norm_output": bool(getattr(config, "norm_output", False))}
 
 
 def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: int,
@@ -62,6 +74,7 @@ def drafter_config(target: TargetInfo, shape: DrafterConfig, draft_vocab_size: i
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+        **{k: True for k in EAGLE31_OPTIONS if getattr(shape, k)},  # written only when on: SGLang's keys
         # SGLang resolves the drafter's dtype from its own config, the target's from the target's: declaring the
         # same one keeps them equal (else the draft layer gets mixed-dtype inputs and graph capture fails)
         dtype=target.dtype, **rope)
@@ -88,7 +101,7 @@ class KVCache:
 
 @dataclass
 class StepOutput:
-    hidden: torch.Tensor   # [B, T, H] pre-norm output, the next step's hidden input
+    hidden: torch.Tensor   # [B, T, H] the next step's hidden input: the pre-norm output (post-norm: norm_output)
     logits: torch.Tensor   # [B, T, draft_vocab]
     key: torch.Tensor      # [B, kv_heads, T, head_dim] this step's keys and values, which later steps attend to
     value: torch.Tensor
@@ -137,6 +150,11 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, loaded by the trainer
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        options = eagle31_options(config)
+        # EAGLE-3.1: each aux state normalised before fc (its own RMSNorm, the target's width, the drafter's eps)
+        self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+                                      for _ in range(3)]) if options["fc_norm"] else None
+        self.norm_output = options["norm_output"]
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -166,6 +184,8 @@ class Eagle3Drafter(nn.Module):
         `self.rope(position_ids, dtype)` when the caller has it already (the unroll computes it once for all steps)."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != embeds.shape[-1]:
+            if self.fc_norm is not None:
+                hidden = torch.cat([norm(a) for norm, a in zip(self.fc_norm, hidden.chunk(3, dim=-1))], dim=-1)
             hidden = self.fc(hidden)
         cos, sin = rope or self.rope(position_ids, hidden.dtype)
         flat = [t for kv in past for t in kv]
@@ -173,11 +193,13 @@ class Eagle3Drafter(nn.Module):
             h, k, v = checkpoint(self.midlayer, embeds, hidden, cos, sin, *flat, use_reentrant=False)
         else:
             h, k, v = self.midlayer(embeds, hidden, cos, sin, *flat, cache=cache)
+        normed = self.norm(h)
+        carried = normed if self.norm_output else h  # what the next draft step reads (SGLang: its aux output)
         if target is None:
-            return StepOutput(h, self.lm_head(self.norm(h)), k, v)
+            return StepOutput(carried, self.lm_head(normed), k, v)
         probs, mask, shift = target
-        loss, logits = self.lm_head(self.norm(h), probs, mask, shift)
-        return StepOutput(h, logits, k, v, loss)
+        loss, logits = self.lm_head(normed, probs, mask, shift)
+        return StepOutput(carried, logits, k, v, loss)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin [B, T, rotary dims] at the positions (angles in fp32), in `dtype`."""

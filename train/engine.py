@@ -11,6 +11,7 @@ import json
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import deepspeed
 import torch
@@ -23,6 +24,8 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from data.config import ConfigError, TrainConfig
 from data.files import atomic_write_json, load_safetensors
 from data.target import load_target_info
+
+from .drafter import eagle31_options
 
 STATE_FILE = "trainer_state.json"
 BEST_FILE = "best.json"
@@ -160,8 +163,9 @@ def init_engine(model: torch.nn.Module, ds_config: dict):
 
 
 def warm_start_config(config, drafter_dir: str | Path, rms_norm_eps: float | None) -> list[str]:
-    """A warm start continues the drafter it starts from: its RoPE settings and its norm epsilon replace the ones
-    `config` took from the target (a drafter trained at rope_theta 1e6 with YaRN, or eps 1e-6, computes something
+    """A warm start continues the drafter it starts from: its RoPE settings, its norm epsilon and its EAGLE-3.1
+    options (an option the config adds is added: fc_norm's weights start at 1) replace the ones `config` took
+    from the target (a drafter trained at rope_theta 1e6 with YaRN, or eps 1e-6, computes something
     else under the target's), unless `train.drafter.rms_norm_eps` (`rms_norm_eps`) sets the epsilon. Changes
     `config` in place; returns what changed, for the log."""
     from transformers import LlamaConfig
@@ -173,6 +177,14 @@ def warm_start_config(config, drafter_dir: str | Path, rms_norm_eps: float | Non
         if theirs != config.rope_parameters:
             notes.append(f"RoPE {theirs} (the drafter's; the target's is {config.rope_parameters})")
             config.rope_parameters = theirs
+    theirs = eagle31_options(SimpleNamespace(**raw))
+    for option, on in eagle31_options(config).items():
+        if theirs[option] and not on:
+            notes.append(f"{option} (the drafter's EAGLE-3.1 option)")
+            setattr(config, option, True)
+        elif on and not theirs[option]:
+            notes.append(f"{option} added (train.drafter.{option}; the drafter had none"
+                         + ("; its norms start at weight 1)" if option == "fc_norm" else ")"))
     eps = raw.get("rms_norm_eps")
     if eps is not None and eps != config.rms_norm_eps:
         if rms_norm_eps is None:

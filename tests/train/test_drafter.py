@@ -14,7 +14,7 @@ from data.config import DrafterConfig, load_config
 from data.target import load_target_info
 from data.vocab import load_draft_vocab
 from train import ttt
-from train.drafter import Eagle3Drafter, drafter_config
+from train.drafter import Eagle3Drafter, drafter_config, eagle31_options
 from data.split import heldout_ids, read_split
 from train.loader import FeatureData
 from data.target import load_target_tensors
@@ -37,6 +37,9 @@ def reference_unroll(w: dict, cfg, input_ids: torch.Tensor, aux: torch.Tensor, s
         x1, x2 = x[..., :d // 2], x[..., d // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
+    options = eagle31_options(cfg)
+    if options["fc_norm"]:  # EAGLE-3.1: each of the three aux states normalised with its own weight
+        aux = torch.cat([rms(a, w[f"fc_norm.{i}.weight"]) for i, a in enumerate(aux.chunk(3, -1))], -1)
     h = aux @ w["fc.weight"].T
     keys, values, logits = [], [], []
     for j in range(steps):
@@ -64,20 +67,31 @@ def reference_unroll(w: dict, cfg, input_ids: torch.Tensor, aux: torch.Tensor, s
         m = r + (F.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T)) \
             @ w["midlayer.mlp.down_proj.weight"].T
         logits.append(rms(m, w["norm.weight"]) @ w["lm_head.weight"].T)
-        h = m
+        h = rms(m, w["norm.weight"]) if options["norm_output"] else m  # EAGLE-3.1 norm_output: the post-norm state
     return logits
 
 
-@pytest.fixture(scope="module")
-def drafter(features_run):
+def make_drafter(features_run, **options) -> Eagle3Drafter:
     cfg = load_config(features_run[0])
     d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
     torch.manual_seed(0)
-    config = drafter_config(load_target_info(cfg.target.path), DrafterConfig(), len(d2t), [0, 1, 2])
+    config = drafter_config(load_target_info(cfg.target.path), DrafterConfig(**options), len(d2t), [0, 1, 2])
     model = Eagle3Drafter(config, d2t, t2d)
     for p in model.parameters():  # norms away from 1 so the test sees them
         torch.nn.init.normal_(p, std=0.3) if p.dim() == 1 else None
     return model
+
+
+@pytest.fixture(scope="module")
+def drafter(features_run):
+    return make_drafter(features_run)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "eagle3.1"])
+def drafter_of_each_kind(request, features_run):
+    """Plain EAGLE-3, and with both EAGLE-3.1 options SGLang serves (fc_norm, norm_output)."""
+    return make_drafter(features_run, **({"fc_norm": True, "norm_output": True} if request.param == "eagle3.1"
+                                         else {}))
 
 
 def test_names_are_sglangs(drafter):
@@ -92,7 +106,8 @@ def test_names_are_sglangs(drafter):
 
 
 @pytest.mark.parametrize("block", [None, 5])  # 5: several query blocks, recomputed in backward
-def test_ttt_unroll_matches_reference(drafter, features_run, monkeypatch, block):
+def test_ttt_unroll_matches_reference(drafter_of_each_kind, features_run, monkeypatch, block):
+    drafter = drafter_of_each_kind
     if block:
         monkeypatch.setattr(ttt, "BLOCK_ELEMENTS", block * drafter.config.num_attention_heads * 40)
     torch.manual_seed(1)
@@ -114,12 +129,35 @@ def test_ttt_unroll_matches_reference(drafter, features_run, monkeypatch, block)
     weights = torch.randn_like(ours[-1])
     (ours[-1] * weights).sum().backward()
     g_ours = drafter.midlayer.self_attn.q_proj.weight.grad.clone()
+    if drafter.fc_norm is not None:  # the options' own weights are trained
+        assert all(n.weight.grad is not None and n.weight.grad.abs().sum() > 0 for n in drafter.fc_norm)
     drafter.zero_grad()
     wq = w["midlayer.self_attn.q_proj.weight"].clone().requires_grad_()
     ref_last = [reference_unroll(w | {"midlayer.self_attn.q_proj.weight": wq}, drafter.config, ids[b], aux[b],
                                  steps)[-1] for b in range(2)]
     (torch.stack(ref_last) * weights).sum().backward()
     torch.testing.assert_close(g_ours, wq.grad, atol=1e-4, rtol=1e-3)
+    drafter.zero_grad()
+
+
+def test_eagle31_options_change_what_the_drafter_computes(features_run):
+    """Same weights, options on and off: fc_norm makes the first step blind to each aux state's scale, and
+    norm_output hands the next step exactly the post-norm state."""
+    plain, options = make_drafter(features_run), make_drafter(features_run, fc_norm=True, norm_output=True)
+    options.load_state_dict(plain.state_dict(), strict=False)  # all but fc_norm's own weights
+    assert {f"fc_norm.{i}.weight" for i in range(3)} == set(options.state_dict()) - set(plain.state_dict())
+    torch.manual_seed(3)
+    T = 12
+    ids, positions = torch.randint(0, plain.config.vocab_size, (1, T)), torch.arange(T)[None]
+    aux = torch.randn(1, T, 3 * plain.config.target_hidden_size)
+    scaled = aux * torch.tensor([10.0, 0.1, 3.0]).repeat_interleave(plain.config.target_hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(options(ids, scaled, positions).logits, options(ids, aux, positions).logits,
+                                   atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(plain(ids, scaled, positions).logits, plain(ids, aux, positions).logits, atol=1e-2)
+        pre = plain(ids, aux, positions).hidden
+        options.fc_norm = None  # the same first step, so that only norm_output differs
+        torch.testing.assert_close(options(ids, aux, positions).hidden, plain.norm(pre))
 
 
 def test_blockwise_memory_is_linear_in_length(monkeypatch):
@@ -458,3 +496,21 @@ def test_a_warm_start_keeps_the_drafters_rope_and_norm_settings(drafter, tmp_pat
     notes = warm_start_config(configured, tmp_path, rms_norm_eps=2e-6)
     assert configured.rms_norm_eps == 2e-6 and "train.drafter.rms_norm_eps" in notes[-1]
     assert warm_start_config(config, tmp_path, rms_norm_eps=None) == []  # already the drafter's: nothing to say
+
+
+def test_a_warm_start_keeps_the_drafters_eagle31_options(drafter, tmp_path):
+    """A drafter published with fc_norm (under its legacy name) and norm_output continues with them; an option
+    the run's config adds is kept and said."""
+    from transformers import LlamaConfig
+
+    from train.engine import warm_start_config
+    (tmp_path / "config.json").write_text(json.dumps({"use_aux_norm": True, "norm_output": True}))
+    config = LlamaConfig(**drafter.config.to_dict())
+    notes = warm_start_config(config, tmp_path, rms_norm_eps=None)
+    assert eagle31_options(config) == {"fc_norm": True, "norm_output": True} and len(notes) == 2, notes
+    assert Eagle3Drafter(config, drafter.d2t, drafter.t2d).fc_norm is not None
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    added = LlamaConfig(**drafter.config.to_dict() | {"fc_norm": True})
+    assert warm_start_config(added, tmp_path, rms_norm_eps=None) == [
+        "fc_norm added (train.drafter.fc_norm; the drafter had none; its norms start at weight 1)"]
+    assert eagle31_options(added)["fc_norm"]
