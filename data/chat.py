@@ -11,8 +11,9 @@ full render F of the conversation (the text the target really sees) by locating 
     contain the message's content. Everything the model generates in that turn (reasoning a template keeps,
     tool calls, the end marker) is trained; what the template drops from earlier turns is simply absent.
   * templates without an end-of-turn token (GLM-style: the next role tag ends the turn) run the span to where the
-    render of the conversation through this turn ends, so tool-call blocks after the content are trained; a
-    turn the template writes with no header (DeepSeek-V3-style answers after a tool result) starts where the
+    render of the conversation through this turn ends, so tool-call blocks after the content are trained, plus
+    the next turn's tag when it is a token the model stops on (`stop_tokens`: GLM-4 ends its turns by emitting
+    <|user|> or <|observation|>, both eos ids in its generation_config); a turn the template writes with no header (DeepSeek-V3-style answers after a tool result) starts where the
     render of the history before it ends.
 Because spans are searched in F itself rather than in prefix renders, templates that render earlier
 turns differently (dropping their reasoning, say) get correct masks.
@@ -79,7 +80,7 @@ class ChatTokenizer:
     """Chat template render + assistant loss mask + tokenization, for one target tokenizer."""
 
     def __init__(self, tokenizer: Any, loss_on: str = "all", max_length: int = 2048, overflow: str = "truncate",
-                 template_kwargs: dict[str, Any] | None = None):
+                 template_kwargs: dict[str, Any] | None = None, stop_tokens: list[str] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template")
         if not getattr(tokenizer, "is_fast", False):
@@ -89,6 +90,9 @@ class ChatTokenizer:
         self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs, in every render
         self.template_name = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
         self.end_marker = self._probe_end_marker()
+        # what the model emits to end a turn when the template writes no end-of-turn token (GLM-4: <|user|>,
+        # <|observation|>, its generation_config's eos ids): trained where the render shows one after the turn
+        self.stop_tokens = [t for t in stop_tokens or [] if t] if not self.end_marker else []
         # Templates that render `reasoning_content` (Qwen3, DeepSeek-R1, Kimi styles) expect reasoning there, and
         # move or drop reasoning written inline: such rows are split before rendering
         probe = [{"role": "user", "content": "ping"},
@@ -165,6 +169,8 @@ class ChatTokenizer:
                 through = self.render(messages[:i + 1], tools=tools)
                 if text.startswith(through) and len(through) >= content_end:
                     end = len(through)
+                stop = next((t for t in self.stop_tokens if text.startswith(t, end)), "")
+                end += len(stop)  # the next turn's tag, when it is the token the model stops on
             spans.append((start, end))
             cursor = end
         return text, spans

@@ -14,7 +14,7 @@ from .config import EyrieConfig
 from .conversations import MalformedSample, SkipReport, load_conversations
 from .shards import ShardMeta, ShardWriter, write_manifest
 from .split import SplitRecord, plan_split, split_line, write_split
-from .target import load_target_info
+from .target import load_target_info, stop_token_ids
 from .vocab import TokenCounter, save_draft_vocab
 
 
@@ -28,8 +28,9 @@ def prepare(cfg: EyrieConfig) -> dict:
     info = load_target_info(cfg.target.path)
     info.check_draft_vocab_size(cfg.data.draft_vocab_size)  # now, not after tokenizing every conversation
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    stop_tokens = tokenizer.convert_ids_to_tokens(stop_token_ids(cfg.target.path)) + [tokenizer.eos_token]
     chat = ChatTokenizer(tokenizer, cfg.data.loss_on, cfg.data.max_length, cfg.data.overflow,
-                         cfg.data.chat_template_kwargs)
+                         cfg.data.chat_template_kwargs, stop_tokens)
 
     regenerated = None
     if cfg.data.regenerate.enabled:  # resumes: after the regenerate stage there is nothing left to do

@@ -257,15 +257,41 @@ def run(cfg: EyrieConfig) -> dict:
     convs = list(load_conversations(cfg.data.inputs, source, cfg.data.skip_malformed))
     rc = cfg.data.regenerate
     kwargs = cfg.data.chat_template_kwargs
+    unrendered = unrendered_in_prompts(convs, cfg)
     generate = OpenAIChatGenerator(rc, template_kwargs=kwargs) if rc.backend == "openai" else \
         LocalGenerator(cfg.target.path, rc, cfg.target.trust_remote_code, template_kwargs=kwargs)
     out = cfg.layout.regenerated
     out.parent.mkdir(parents=True, exist_ok=True)
     result = regenerate(convs, generate, out, rc)
     print(f"regenerate: source {source.summary()}")
+    if unrendered:
+        print("regenerate: left out of the prompts by the chat template (the target answered without them): "
+              + ", ".join(f"{k}={v}" for k, v in unrendered.items()))
     print(f"regenerate: {result['succeeded']} succeeded ({result['resumed']} resumed), {result['errors']} errors, "
           f"{result['skipped']} skipped of {result['input']}; {result['truncated_replies']} replies hit max_new_tokens")
-    return {"source": source.to_json(), **result}
+    return {"source": source.to_json(), **result, "unrendered_by_template": unrendered}
+
+
+def unrendered_in_prompts(convs: list[Conversation], cfg: EyrieConfig) -> dict[str, int]:
+    """Per reason, the conversations whose first prompt, rendered with the target's chat template (what the
+    local backend renders, and what a server of the target renders), leaves out their declared tools."""
+    from transformers import AutoTokenizer
+
+    from .chat import ChatTokenizer
+    with_tools = [c for c in convs if c.tools]
+    if not with_tools:
+        return {}
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(cfg.target.tokenizer_path,
+                                                       trust_remote_code=cfg.target.trust_remote_code),
+                         template_kwargs=cfg.data.chat_template_kwargs)
+    counts: dict[str, int] = {}
+    for conv in with_tools:
+        first = next((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), len(conv.messages))
+        prompt = [{"role": m["role"], "content": m["content"]} for m in conv.messages[:first]]
+        text = chat.render(prompt, True, conv.tools)
+        for reason in chat.unrendered(dataclasses.replace(conv, messages=prompt), text):
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -100,6 +100,17 @@ def declared_dtype(config: dict) -> str | None:
     return config.get("dtype") or config.get("torch_dtype")
 
 
+def stop_token_ids(path: str | Path) -> list[int]:
+    """The token ids the target stops generating on: its generation_config's eos_token_id (one or a list; GLM-4
+    lists its <|user|> and <|observation|> tags there), else its config's."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        eos = (read_json(path / name) or {}).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else [int(i) for i in eos]
+    return []
+
+
 def load_target_info(path: str | Path) -> TargetInfo:
     cfg_path = Path(path) / "config.json"
     config = read_json(cfg_path)

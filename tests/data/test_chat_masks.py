@@ -214,3 +214,29 @@ def test_json_string_tool_arguments_become_a_mapping_for_templates_that_encode_t
     assert not kimi.tool_arguments_as_mapping
     text, _ = kimi.assistant_spans(turns)
     assert '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>' in text
+
+
+def test_a_template_without_end_token_trains_the_tag_the_model_stops_on(make_tokenizer, tmp_path):
+    """GLM-4 writes no end-of-turn token; the model ends a turn by emitting the next turn's tag (<|user|> or
+    <|observation|>, eos ids in its generation_config). That tag is trained where the render shows it; the
+    turn that ends the conversation has none to train."""
+    import json
+
+    from data.target import stop_token_ids
+    tok = copy.deepcopy(make_tokenizer("llama3"))
+    tok.chat_template = GLM_STYLE
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|observation|>", "<|assistant|>"]})
+    ids = tok.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, *ids]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id}))
+    assert stop_token_ids(tmp_path) == [tok.eos_token_id, *ids]  # generation_config's list wins
+    chat = ChatTokenizer(tok, stop_tokens=tok.convert_ids_to_tokens(stop_token_ids(tmp_path)))
+    text, spans = chat.assistant_spans(TOOL_TURNS)
+    assert [text[a:b] for a, b in spans] == [
+        "<tool_call>lookup_weather\n{\"city\": \"Oslo\"}</tool_call><|observation|>",
+        "It rains in Oslo, 4 degrees.<|user|>",
+        "Let me check.<tool_call>lookup_weather\n{\"city\": \"Oslo\"}</tool_call>"]  # the end: no tag shown
+    sample = chat(Conversation("t", TOOL_TURNS))
+    masked = masked_runs(tok, sample)
+    assert masked[0].endswith("</tool_call><|observation|>") and masked[1] == "It rains in Oslo, 4 degrees.<|user|>"
+    assert not ChatTokenizer(make_tokenizer("llama3"), stop_tokens=["<|eot_id|>"]).stop_tokens  # it has an end marker

@@ -108,3 +108,28 @@ def test_tools_and_template_switches_reach_the_target_and_the_regenerated_rows(m
     assert server.bodies[0]["tools"] == tools and server.bodies[0]["chat_template_kwargs"] == {"enable_thinking": False}
     row = json.loads((tmp_path / "r.jsonl").read_text())
     assert row["tools"] == tools and row["messages"][1]["content"] != "old"
+
+
+def test_tools_the_template_leaves_out_of_the_prompts_are_counted(make_tokenizer, tiny_target, tmp_path):
+    """The regenerate stage counts, per reason and with the template's name, the conversations whose declared
+    tools the target's chat template leaves out of the prompt (the target answers without seeing them)."""
+    import copy
+
+    from data.config import EyrieConfig
+    from data.regenerate import unrendered_in_prompts
+    tools = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
+    convs = [Conversation("t", [{"role": "user", "content": "Rain?"}, {"role": "assistant", "content": "old"}],
+                          tools=tools),
+             Conversation("p", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"}])]
+
+    def counted(tokenizer_dir) -> dict:
+        cfg = EyrieConfig(run_dir=str(tmp_path / "run"), target={"path": str(tiny_target),
+                                                                  "tokenizer": str(tokenizer_dir)},
+                          data={"inputs": ["unused.jsonl"], "regenerate": {"enabled": True}})
+        return unrendered_in_prompts(convs, cfg)
+    plain = counted(tiny_target)  # the llama3 test template: no tools block
+    assert list(plain.values()) == [1] and next(iter(plain)).startswith("tools (the chat template of")
+    tok = copy.deepcopy(make_tokenizer("llama3"))
+    tok.chat_template = "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}" + tok.chat_template
+    tok.save_pretrained(str(tmp_path / "with-tools"))
+    assert counted(tmp_path / "with-tools") == {}
