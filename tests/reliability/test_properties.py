@@ -5,7 +5,7 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data.chat import ChatTokenizer
+from data.chat import ChatTokenizer, split_inline_reasoning
 from data.conversations import MalformedSample, normalize
 
 TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .,!?'-éü中", min_size=1, max_size=24) \
@@ -94,31 +94,40 @@ def tool_dialogues(draw) -> list[dict]:
             messages += [{"role": "assistant", "content": draw(st.just("") | TEXT.map("A: ".__add__)),
                           "tool_calls": [call]},
                          {"role": "tool", "content": "T: " + draw(TEXT)}]
-        messages.append({"role": "assistant", "content": "A: " + draw(TEXT)})
+        answer = {"role": "assistant", "content": "A: " + draw(TEXT)}
+        if draw(st.booleans()):
+            answer["reasoning_content"] = "R: " + draw(TEXT)
+        messages.append(answer)
     return messages
 
 
 @SETTINGS
-@given(tool_dialogues(), st.sampled_from(["glm", "deepseek"]))
+@given(tool_dialogues(), st.sampled_from(["glm", "deepseek", "kimi"]))
 def test_tool_rounds_train_every_assistant_token_and_no_user_or_tool_text(make_tokenizer, messages, style):
-    """Templates without an end-of-turn token (GLM-style) and with header-less answers after tool results
-    (DeepSeek-V3-style): every assistant content and tool call carries loss, no user or tool text does."""
+    """Templates without an end-of-turn token (GLM-style), with header-less answers after tool results
+    (DeepSeek-V3-style), and rendering reasoning only after the last user turn (Kimi-K2-style): every assistant
+    content, tool call and rendered reasoning carries loss, no user or tool text does."""
     import copy
 
     from tests.templates import DEEPSEEK_STYLE, GLM_STYLE
-    tok = copy.deepcopy(make_tokenizer("llama3"))  # the shared tokenizer keeps its own template
-    tok.chat_template = {"glm": GLM_STYLE, "deepseek": DEEPSEEK_STYLE}[style]
+    tok = copy.deepcopy(make_tokenizer("kimi" if style == "kimi" else "llama3"))  # the shared one keeps its template
+    if style != "kimi":
+        tok.chat_template = {"glm": GLM_STYLE, "deepseek": DEEPSEEK_STYLE}[style]
     chat = ChatTokenizer(tok, max_length=10_000)
     sample = chat(normalize({"id": "p", "messages": messages}, "p"))
-    text = chat.render(messages)
+    text = chat.render([split_inline_reasoning(m) for m in messages] if chat.renders_reasoning else messages)
     offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     covered = [False] * len(text)
     for (a, b), m in zip(offsets, sample.loss_mask):
         for i in range(a, b):
             covered[i] = covered[i] or bool(m)
     cursor = 0
-    for msg in messages:
-        for piece in [msg["content"]] + [t["function"]["name"] for t in msg.get("tool_calls", [])]:
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    for i, msg in enumerate(messages):
+        # Kimi-style templates drop the reasoning of turns before the last user turn
+        reasoning = msg.get("reasoning_content", "") if style != "kimi" or i > last_user else ""
+        for piece in [reasoning if style == "kimi" else "", msg["content"]] + \
+                [t["function"]["name"] for t in msg.get("tool_calls", [])]:
             if not piece:
                 continue
             at = text.index(piece, cursor)
