@@ -79,6 +79,7 @@ def check(directory: str | Path) -> dict:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_loader import get_model
+    from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.server_args import ServerArgs
@@ -101,7 +102,7 @@ def check(directory: str | Path) -> dict:
         with safe_open(str(f), "pt") as fh:
             file_names |= set(fh.keys())
     consumed: set[str] = set()
-    drafter_classes = (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM)
+    drafter_classes = (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM, DFlashDraftModel)
     originals = {cls: cls.load_weights for cls in drafter_classes}
 
     def checked(original):
@@ -133,6 +134,16 @@ def check(directory: str | Path) -> dict:
                                               "embed_tokens.weight" not in file_names)]
     problems = [f"parameter {n} was not written by the file (NaN left)" for n in unwritten]
     problems += [f"tensor {n} in the file was never read" for n in sorted(file_names - consumed)]
+    report = {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
+              "tensors_in_file": len(file_names)}
+    if isinstance(model, DFlashDraftModel):  # no draft vocab, no EAGLE options: the block and its context
+        config = json.loads((Path(directory) / "config.json").read_text())
+        built = {"block_size": model.block_size, "context_features": model.num_context_features}
+        written = {"block_size": config["dflash_config"]["block_size"],
+                   "context_features": len(config["dflash_config"]["target_layer_ids"])}
+        problems += [f"config says {k}={written[k]}, SGLang built the drafter with {k}={built[k]}"
+                     for k in written if written[k] != built[k]]
+        return report | {"dflash": built, "problems": problems, "ok": not problems}
     hot = model.get_hot_token_id()
     with safe_open(str(next(Path(directory).glob("*.safetensors"))), "pt") as fh:
         d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
@@ -148,9 +159,7 @@ def check(directory: str | Path) -> dict:
              "norm_output": bool(getattr(model.model, "norm_output", False))}
     problems += [f"config says {k}={written[k]}, SGLang built the drafter with {k}={built[k]}"
                  for k in written if written[k] != built[k]]
-    return {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
-            "eagle31_options": built,
-            "tensors_in_file": len(file_names), "problems": problems, "ok": not problems}
+    return report | {"eagle31_options": built, "problems": problems, "ok": not problems}
 
 
 def check_each(directories: list[str]) -> list[dict]:

@@ -1,0 +1,75 @@
+"""SGLang's DFlash drafter directory: what `DFlashDraftModel` loads (train/dflash.py), and its validation.
+
+A directory holds `config.json` (architectures = ["DFlashDraftModel"], the layer's shape, RoPE in both the
+transformers-5 and the legacy form, `num_target_layers`, and `dflash_config` with `target_layer_ids`,
+`block_size` and `mask_token_id`) and safetensors with exactly the drafter's tensors: no embedding, no head and
+no draft vocab (the target's are used). SGLang ignores names it does not know, so the key set is checked here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from data.files import atomic_write_json
+from data.target import declared_dtype
+
+from .drafter_dir import DrafterDirError
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {"fc.weight": (H, len(config.dflash_config["target_layer_ids"]) * H), "hidden_norm.weight": (H,),
+              "norm.weight": (H,)}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                   p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                   p + "mlp.down_proj.weight": (H, I)}
+    return shapes
+
+
+def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    want, problems = expected_shapes(config), []
+    problems += [f"missing tensor {n}" for n in sorted(set(want) - set(tensors))]
+    problems += [f"unexpected tensor {n} (SGLang would skip it silently)" for n in sorted(set(tensors) - set(want))]
+    problems += [f"{n} has shape {list(tensors[n].shape)}, the config implies {list(want[n])}"
+                 for n in sorted(set(want) & set(tensors)) if tuple(tensors[n].shape) != want[n]]
+    dflash = getattr(config, "dflash_config", None) or {}
+    problems += [f"dflash_config has no {k}" for k in ("target_layer_ids", "block_size", "mask_token_id")
+                 if dflash.get(k) is None]
+    if problems:
+        raise DrafterDirError(f"{where}: not a valid SGLang DFlash drafter:\n  " + "\n  ".join(problems))
+
+
+def sglang_config(config: LlamaConfig) -> dict:
+    """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
+    out = config.to_dict()
+    rope = dict(out.get("rope_parameters") or {})
+    dtype = declared_dtype(out) or "bfloat16"
+    return out | {"dtype": dtype, "torch_dtype": dtype, "rope_theta": rope.get("rope_theta", 10000.0),
+                  "rope_scaling": None if rope.get("rope_type", "default") == "default" else
+                  {k: v for k, v in rope.items() if k != "rope_theta"}}
+
+
+def write(out: str | Path, config: LlamaConfig, tensors: dict[str, torch.Tensor], card: str,
+          weights_dtype: torch.dtype = torch.bfloat16) -> None:
+    """The directory, validated first; floating tensors in `weights_dtype`."""
+    import shutil
+    out = Path(out)
+    tensors = {k: v.to(weights_dtype).contiguous() for k, v in tensors.items()}
+    validate(config, tensors, str(out))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", sglang_config(config))
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

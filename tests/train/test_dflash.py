@@ -1,0 +1,118 @@
+"""The DFlash block drafter against an independent written-out reference, and its export against SGLang's own
+`DFlashDraftModel` loader."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from data.target import load_target_info
+from serve import dflash_dir
+from serve.drafter_dir import DrafterDirError
+from tests.serve.test_export import needs_sglang
+from train.dflash import DFlashDrafter, dflash_config
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target):
+    config = dflash_config(load_target_info(tiny_target), num_layers=2, layer_ids=[0, 1, 2], block_size=4,
+                           mask_token_id=5, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = DFlashDrafter(config)
+    for p in model.parameters():  # norms away from 1 so the test sees them
+        torch.nn.init.normal_(p, mean=1.0, std=0.3) if p.dim() == 1 else None
+    return model
+
+
+def reference_block(w: dict, cfg, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor,
+                    ctx_pos: torch.Tensor) -> torch.Tensor:
+    """One sequence's block written out from the weights: explicit heads, full score matrices, no masks."""
+    d, heads, kv_heads, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # [T, heads, d], rotate-half
+        inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = pos[:, None].double() * inv[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float()
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    c = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"])
+    h = block
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+
+        def keys(t, pos):
+            k = (t @ w[p + "self_attn.k_proj.weight"].T).view(len(t), kv_heads, d)
+            return rope(rms(k, w[p + "self_attn.k_norm.weight"]), pos)
+        q = rope(rms((x @ w[p + "self_attn.q_proj.weight"].T).view(len(x), heads, d), w[p + "self_attn.q_norm.weight"]),
+                 block_pos)
+        k = torch.cat([keys(c, ctx_pos), keys(x, block_pos)])  # the context never passes through the layer
+        v = torch.cat([c, x]) @ w[p + "self_attn.v_proj.weight"].T
+        v = v.view(len(k), kv_heads, d)
+        out = torch.cat([torch.softmax(q[:, j] @ k[:, j // (heads // kv_heads)].T / d ** 0.5, -1)
+                         @ v[:, j // (heads // kv_heads)] for j in range(heads)], -1)
+        h = h + out @ w[p + "self_attn.o_proj.weight"].T
+        y = rms(h, w[p + "post_attention_layernorm.weight"])
+        h = h + (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+    return rms(h, w["norm.weight"])
+
+
+def test_a_block_matches_the_written_out_reference(drafter):
+    """A block of 4 at positions 9..12 over the 9 context positions before it, batch 2; and with a mask that hides
+    part of the context from one sequence, its output is the reference's over the visible part only."""
+    cfg, H = drafter.config, drafter.config.hidden_size
+    torch.manual_seed(1)
+    block, ctx = torch.randn(2, 4, H), torch.randn(2, 9, 3 * H)
+    block_pos, ctx_pos = torch.arange(9, 13)[None].expand(2, 4), torch.arange(9)[None].expand(2, 9)
+    w = {k: v.detach() for k, v in drafter.state_dict().items()}
+    with torch.no_grad():
+        ours = drafter(block, block_pos, ctx, ctx_pos)
+        for b in range(2):
+            torch.testing.assert_close(ours[b], reference_block(w, cfg, block[b], block_pos[b], ctx[b], ctx_pos[b]),
+                                       atol=2e-5, rtol=2e-4)
+        visible = torch.ones(2, 4, 9 + 4, dtype=torch.bool)
+        visible[1, :, 5:9] = False  # sequence 1's block sees context positions 0..4 only
+        masked = drafter(block, block_pos, ctx, ctx_pos, visible)
+        torch.testing.assert_close(masked[0], ours[0])
+        torch.testing.assert_close(masked[1], reference_block(w, cfg, block[1], block_pos[1], ctx[1, :5], ctx_pos[1, :5]),
+                                   atol=2e-5, rtol=2e-4)
+
+
+def export(drafter, out):
+    dflash_dir.write(out, drafter.config, {k: v for k, v in drafter.state_dict().items()}, "test")
+
+
+def test_the_export_holds_exactly_sglangs_keys_and_names(drafter, tmp_path):
+    export(drafter, tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 4
+    assert config["dflash_config"] == {"target_layer_ids": [0, 1, 2], "block_size": 4, "mask_token_id": 5}
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert set(tensors) == set(dflash_dir.expected_shapes(drafter.config))
+    assert "layers.1.self_attn.k_norm.weight" in tensors and not any("embed" in k or "lm_head" in k for k in tensors)
+    with pytest.raises(DrafterDirError, match="unexpected tensor lm_head.weight"):
+        dflash_dir.validate(drafter.config, tensors | {"lm_head.weight": torch.zeros(1)}, "d")
+    del tensors["layers.0.self_attn.q_norm.weight"]
+    with pytest.raises(DrafterDirError, match="missing tensor layers.0.self_attn.q_norm.weight"):
+        dflash_dir.validate(drafter.config, tensors, "d")
+
+
+@needs_sglang
+def test_sglangs_own_dflash_class_loads_the_export(drafter, tmp_path):
+    """SGLang's DFlashDraftModel on the CPU: every parameter written (NaN-filled first), every tensor read, and
+    the block size and context width it built are the config's; a misnamed tensor is caught by its check."""
+    from serve.sglang_check import check_in_subprocess
+    export(drafter, tmp_path / "good")
+    export(drafter, tmp_path / "bad")
+    tensors = load_file(str(tmp_path / "bad" / "model.safetensors"))
+    tensors["layers.0.mlp.up_projection.weight"] = tensors.pop("layers.0.mlp.up_proj.weight")
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+    good, bad = check_in_subprocess(tmp_path / "good", tmp_path / "bad", raise_on_problem=False)
+    assert good["ok"] and good["architecture"] == "DFlashDraftModel", good
+    assert good["dflash"] == {"block_size": 4, "context_features": 3} and good["tensors_in_file"] == 25, good
+    assert not bad["ok"] and "not written" in " ".join(bad["problems"]), bad

@@ -1,0 +1,135 @@
+"""The DFlash block drafter, computed as SGLang's `DFlashDraftModel` computes it and named the way its loader reads,
+so an export is a copy of the state dict:
+
+    fc.weight [H, K·H]   hidden_norm.weight   norm.weight
+    layers.{i}.{input_layernorm, post_attention_layernorm}.weight
+    layers.{i}.self_attn.{q,k,v,o}_proj.weight   layers.{i}.self_attn.{q,k}_norm.weight [head_dim]
+    layers.{i}.mlp.{gate,up,down}_proj.weight
+
+It has no embedding and no head: a block's tokens are embedded by the target's embedding and its drafts read by
+the target's head, so its hidden size is the target's. One forward drafts a whole block: the block's first
+token is the last one the target emitted, the others are the mask token, at consecutive positions. The context
+is the target's K aux states (ids: output of decoder layer i; SGLang captures them at layer i + 1's input on
+every architecture) of the positions before the block, projected once (fc, then hidden_norm) and, in each layer,
+turned into keys and values only (k_proj → k_norm → RoPE, v_proj): the context never passes through the layers.
+Each layer (Qwen3-style: RMSNorm on each head's queries and keys) lets the block attend, without a causal mask,
+to its context and to itself; the final norm gives the hidden states the target's head reads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from .fused import RMSNorm, SwiGLUMLP
+
+SGLANG_CLASS = "DFlashDraftModel"
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, H, bias=False)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, H] → keys (normed per head, rotated) and values [B, kv_heads, T, head_dim]: what SGLang writes to
+        the draft KV cache for context tokens (kv_proj_only, apply_k_norm, apply_k_rope)."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: tuple[torch.Tensor, torch.Tensor],
+                visible: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Tb, H] the block's (normed) hidden; `context` its keys/values [B, kv_heads, Tc, d]; `visible`
+        [B, Tb, Tc + Tb] which context and block positions each block position attends to (None: all)."""
+        B, T, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible[:, None],
+                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, rope, context, visible) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, context, visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        features = len(config.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()  # kept out of a bf16 cast's reach
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary_emb.inv_freq.dtype != torch.float32:
+            self.rotary_emb.inv_freq = self._inv_freq32.to(positions.device)
+        return self.rotary_emb(positions.new_empty((), dtype=dtype), positions)
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context_features: torch.Tensor,
+                context_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's final hidden states [B, Tb, H] (the target's head turns them into drafts).
+        block_embeds [B, Tb, H]: the target's embedding of the block's tokens (the last emitted one, then mask
+        tokens); context_features [B, Tc, K·H]: the target's aux states at `context_positions`; `visible`:
+        see DFlashAttention (None: every block position sees the whole context and the whole block)."""
+        context = self.hidden_norm(self.fc(context_features))
+        context_rope = self.rope(context_positions, context.dtype)
+        rope = self.rope(block_positions, block_embeds.dtype)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, rope, layer.self_attn.keys_values(context, *context_rope), visible)
+        return self.norm(h)
+
+
+def dflash_config(target, num_layers: int, layer_ids: list[int], block_size: int, mask_token_id: int,
+                  num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                  head_dim: int | None = None, intermediate_size: int | None = None,
+                  rms_norm_eps: float | None = None) -> PretrainedConfig:
+    """The drafter's config (a TargetInfo gives the target's): hidden size, RoPE and, unless set, the attention and
+    MLP shape are the target's; `dflash_config` holds what SGLang's DFlash reads (target_layer_ids, block_size,
+    mask_token_id) and `num_target_layers` the target's depth."""
+    from transformers import LlamaConfig
+    t = target.text_config
+    heads = num_attention_heads or int(t["num_attention_heads"])
+    rope = {"rope_parameters": t["rope_parameters"]} if t.get("rope_parameters") else \
+        {"rope_theta": t.get("rope_theta", 10000.0), "rope_scaling": t.get("rope_scaling")}
+    # an MLA target's head_dim describes its latent attention, not this layer's
+    target_head_dim = t.get("head_dim") if "kv_lora_rank" not in t else None
+    return LlamaConfig(
+        architectures=[SGLANG_CLASS], hidden_size=target.hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=num_key_value_heads or int(t.get("num_key_value_heads") or heads),
+        head_dim=head_dim or target_head_dim or target.hidden_size // heads,
+        intermediate_size=intermediate_size or int(t.get("intermediate_size") or 4 * target.hidden_size),
+        rms_norm_eps=rms_norm_eps or float(t.get("rms_norm_eps", 1e-6)), hidden_act="silu", attention_bias=False,
+        vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
+        tie_word_embeddings=False, num_target_layers=target.num_layers, dtype=target.dtype,
+        dflash_config={"target_layer_ids": list(layer_ids), "block_size": block_size, "mask_token_id": mask_token_id},
+        **rope)
