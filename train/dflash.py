@@ -17,6 +17,8 @@ to its context and to itself; the final norm gives the hidden states the target'
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,3 +135,90 @@ def dflash_config(target, num_layers: int, layer_ids: list[int], block_size: int
         tie_word_embeddings=False, num_target_layers=target.num_layers, dtype=target.dtype,
         dflash_config={"target_layer_ids": list(layer_ids), "block_size": block_size, "mask_token_id": mask_token_id},
         **rope)
+
+
+# --- Training objective -------------------------------------------------------------------------------------
+# The recipe (SpecForge 0.2.0's OnlineDFlashModel and the DFlash paper, read for this): blocks anchored at
+# sampled positions of each sample's loss span, all of a sample's blocks in one forward (each sees its own block
+# and the context strictly before its anchor, as in serving: the anchor's own target state does not exist yet),
+# block position k >= 1 labelled with the sample's token at anchor + k (self-generated data: the target's own
+# tokens), weighted by that token's loss mask and by exp(-(k - 1) / gamma) when gamma is set (later positions
+# are accepted only after the earlier ones). Choices: hard labels (the target's tokens), not the teacher's
+# distribution over the full vocabulary; anchors where the anchor and the next token both carry loss (what a
+# block starts from in serving: a token the target emitted).
+
+
+@dataclass
+class BlockResult:
+    loss: torch.Tensor               # weighted mean cross-entropy over the drafted positions
+    correct: torch.Tensor            # [block_size] drafts equal to the label, per block position (0: the anchor)
+    counted: torch.Tensor            # [block_size] labelled positions
+    accepted: torch.Tensor           # drafts accepted in a row from position 1, summed over blocks
+    blocks: torch.Tensor             # blocks drafted
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify step a chain of these blocks would emit: 1 + drafts accepted in a row (greedy)."""
+        return 1.0 + float(self.accepted) / max(float(self.blocks), 1.0)
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_sample: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N] anchor positions (sorted) and which of them are real: up to `per_sample` positions a < length - 1
+    where tokens a and a + 1 carry loss, drawn without replacement."""
+    B, T = loss_mask.shape
+    valid = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+    valid[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
+    valid &= torch.arange(T, device=loss_mask.device)[None] < (lengths[:, None] - 1)
+    width = max(1, min(per_sample, int(valid.sum(1).max())))
+    noise = torch.rand(B, T, generator=generator, device="cpu").to(loss_mask.device).masked_fill(~valid, 2.0)
+    chosen = noise.topk(width, dim=1, largest=False)
+    keep = chosen.values < 2.0
+    anchors = torch.where(keep, chosen.indices, T)  # T sorts last
+    anchors, order = anchors.sort(dim=1)
+    keep = keep.gather(1, order)
+    return torch.where(keep, anchors, 0), keep
+
+
+def block_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[B, N·bs, T + N·bs]: block n's positions see context positions < its anchor and their own block."""
+    B, N = anchors.shape
+    q_block = torch.arange(N * block_size, device=anchors.device) // block_size            # [Q]
+    kv = torch.arange(context_len + N * block_size, device=anchors.device)                 # [KV]
+    anchor_of_q = anchors.repeat_interleave(block_size, dim=1)                             # [B, Q]
+    context = (kv[None, None] < context_len) & (kv[None, None] < anchor_of_q[..., None])
+    own_block = (kv[None, None] >= context_len) & ((kv - context_len) // block_size == q_block[:, None])[None]
+    return (context | own_block) & keep.repeat_interleave(block_size, dim=1)[..., None]
+
+
+def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
+                     aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
+                     gamma: float | None = None, generator: torch.Generator | None = None) -> BlockResult:
+    """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens.
+    embed [V, H] and lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states."""
+    cfg = drafter.config
+    bs, mask_id = cfg.dflash_config["block_size"], cfg.dflash_config["mask_token_id"]
+    B, T = input_ids.shape
+    device = input_ids.device
+    anchors, keep = sample_anchors(loss_mask, lengths, blocks_per_sample, generator)
+    N = anchors.shape[1]
+    offsets = torch.arange(bs, device=device)
+    positions = (anchors[..., None] + offsets).reshape(B, N * bs)                  # [B, N·bs]
+    tokens = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
+    tokens[..., 0] = input_ids.gather(1, anchors)                                  # the anchor token, then masks
+    hidden = drafter(F.embedding(tokens.reshape(B, N * bs), embed).to(aux_hidden.dtype), positions, aux_hidden,
+                     torch.arange(T, device=device)[None].expand(B, T), block_visibility(anchors, keep, T, bs))
+    at = positions.clamp(max=T - 1)
+    labels = input_ids.gather(1, at).view(B, N, bs)
+    weight = (keep[..., None] & (offsets > 0) & (positions.view(B, N, bs) < lengths[:, None, None])).float() \
+        * loss_mask.gather(1, at).view(B, N, bs).float()
+    if gamma:
+        weight = weight * torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
+    logits = (hidden @ lm_head.to(hidden.dtype).T).float().view(B, N, bs, -1)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, bs)
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        scored = weight > 0
+        hit = (logits.argmax(-1) == labels) & scored
+        run = (hit | ~scored)[..., 1:].long().cumprod(-1) * scored[..., 1:]         # accepted in a row
+        return BlockResult(loss, hit.sum((0, 1)), scored.sum((0, 1)), run.sum(), keep.sum())
