@@ -24,7 +24,9 @@ from .layout import RunLayout
 EAGLE3_AUX_LAYERS = 3
 
 
-def aux_count_problem(ids: list[int]) -> str | None:
+def aux_count_problem(ids: list[int], family: str = "eagle3") -> str | None:
+    if family == "dflash":  # its fc projects as many layers as its config names
+        return None if ids else "a DFlash drafter reads at least one layer; got none"
     if len(ids) == EAGLE3_AUX_LAYERS:
         return None
     return (f"EAGLE-3 drafters read exactly {EAGLE3_AUX_LAYERS} layers (their fc projects {EAGLE3_AUX_LAYERS} x "
@@ -39,20 +41,14 @@ class TargetConfig(Section):
     path: str = Field(description="transformers model directory of the target (config.json, tokenizer, safetensors)")
     tokenizer: str | None = Field(None, description="tokenizer directory; default: the target's path")
     aux_layer_ids: list[int] | None = Field(
-        None, description="SGLang convention: id i = output of 0-based decoder layer i; default [1, L//2-1, L-4]")
+        None, description="SGLang convention: id i = output of 0-based decoder layer i; default [1, L//2-1, L-4] "
+                          "(EAGLE-3: three ids), SGLang's DFlash default for train.dflash.num_layers (DFlash)")
     trust_remote_code: bool = Field(False, description="let transformers run code shipped with the checkpoint")
 
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
 
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _three_ids(cls, ids: list[int] | None) -> list[int] | None:
-        problem = ids is not None and aux_count_problem(ids)
-        if problem:
-            raise ValueError(problem)
-        return ids
 
 
 class RegenerateConfig(Section):
@@ -109,6 +105,9 @@ class ExtractConfig(Section):
 
 class DrafterConfig(Section):
     """The drafter's shape; every unset field defaults from the target's config."""
+    family: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3: one layer drafting token by token (SGLang's EAGLE3); dflash: a block of "
+                              "tokens per forward (SGLang's DFLASH, DFlashDraftModel; train.dflash)")
     arch: Literal["llama", "mla"] = Field("llama", description="llama: SGLang's LlamaForCausalLMEagle3; mla: "
                                           "DeepSeek-style latent attention, SGLang's Eagle3DeepseekV2ForCausalLM "
                                           "(smaller KV cache; MLA dims default from an MLA target)")
@@ -139,6 +138,16 @@ class DrafterConfig(Section):
         return on
 
 
+class DFlashConfig(Section):
+    """The DFlash drafter (train.drafter.family: dflash) and its training objective (train/dflash.py)."""
+    num_layers: int = Field(1, ge=1, description="draft layers; also sets the default target.aux_layer_ids")
+    block_size: int = Field(16, ge=2, description="tokens per drafted block (SGLang's speculative-num-draft-tokens)")
+    mask_token_id: int | None = Field(None, ge=0, description="the target-vocabulary id a block's undrafted positions "
+                                      "hold; default: the tokenizer's <|MASK|> (SGLang's default mask token)")
+    blocks_per_sample: int = Field(64, ge=1, description="blocks anchored at sampled positions of each sample")
+    loss_decay_gamma: float | None = Field(7.0, gt=0, description="block position k weighs exp(-(k-1)/gamma)")
+
+
 class OptimConfig(Section):
     """What the generated DeepSpeed config is made of. With `--deepspeed_config FILE` that file is the only
     source of these values, and setting any of them here too is an error (one source of truth)."""
@@ -155,6 +164,7 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    dflash: DFlashConfig = Field(default_factory=DFlashConfig)
     nproc_per_node: int = Field(1, ge=1, description="ranks the pipeline launches with `deepspeed --num_gpus`")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
@@ -220,6 +230,20 @@ class EyrieConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _drafter_family_fits(self):
+        family, drafter = self.train.drafter.family, self.train.drafter
+        problem = self.target.aux_layer_ids is not None and aux_count_problem(self.target.aux_layer_ids, family)
+        if problem:
+            raise ValueError(f"target.aux_layer_ids: {problem}")
+        if family == "dflash":
+            eagle_only = [k for k in ("fc_norm", "norm_output") if getattr(drafter, k)] + \
+                (["arch: mla"] if drafter.arch != "llama" else [])
+            if eagle_only:
+                raise ValueError(f"train.drafter: {', '.join(eagle_only)} belong to EAGLE-3 drafters; a DFlash "
+                                 "drafter is SGLang's DFlashDraftModel (train.dflash)")
+        return self
 
     @property
     def layout(self) -> RunLayout:
@@ -287,7 +311,11 @@ def _format_errors(err: ValidationError, path: str | Path | None, overrides: Seq
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        got = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {e.get('input')!r})"
+        if not key:  # a check across sections (EyrieConfig's validators) names its key first: blame that key
+            head, sep, rest = msg.removeprefix("Value error, ").partition(": ")
+            if sep and all(part.isidentifier() for part in head.split(".")):
+                key, msg = head, "Value error, " + rest
+        got = "" if e["type"] in ("extra_forbidden", "missing") or not e["loc"] else f" (got {e.get('input')!r})"
         from_cli = any(key == k or key.startswith(k + ".") for k in given)
         lines.append(f"  {key}: {msg}{got}  [{'command line --' + key if from_cli else path or 'defaults'}]")
     return "\n".join(lines)

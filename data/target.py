@@ -32,12 +32,15 @@ class TargetInfo:
         """DeepSeek-style latent attention (DeepSeek-V3, Kimi-K2.5): SGLang serves it with MLA kernels."""
         return "kv_lora_rank" in self.text_config
 
-    def aux_layer_ids(self, configured: list[int] | None = None) -> list[int]:
-        """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4]. Ids SGLang
-        would serve on other layers than the drafter trains on are refused here, before any extraction."""
-        ids = list(configured) if configured is not None else \
+    def aux_layer_ids(self, configured: list[int] | None = None, family: str = "eagle3",
+                      dflash_layers: int = 1) -> list[int]:
+        """SGLang convention (id i = output of 0-based decoder layer i); default [1, L//2-1, L-4] for EAGLE-3,
+        SGLang's DFlash default for `dflash_layers` draft layers. Ids SGLang would serve on other layers than the
+        drafter trains on are refused here, before any extraction."""
+        default = dflash_default_layer_ids(self.num_layers, dflash_layers) if family == "dflash" else \
             [1, self.num_layers // 2 - 1, self.num_layers - 4]
-        problem = aux_count_problem(ids)
+        ids = list(configured) if configured is not None else default
+        problem = aux_count_problem(ids, family)
         if problem:
             raise ValueError(f"target.aux_layer_ids: {problem}")
         bad = [i for i in ids if not 0 <= i < self.num_layers]
@@ -48,7 +51,7 @@ class TargetInfo:
         if len(set(ids)) != len(ids):
             raise ValueError(f"target.aux_layer_ids: {ids} repeat a layer" + ("" if configured else
                              f" (the default for a {self.num_layers}-layer target): set distinct ids"))
-        problem = sglang_serving_problem(self.architecture, self.num_layers, ids)
+        problem = sglang_serving_problem(self.architecture, self.num_layers, ids, family)
         if problem:
             raise ValueError(f"target.aux_layer_ids: {ids} for {self.path}: {problem}")
         return ids
@@ -81,18 +84,33 @@ def sglang_captured_outputs(architecture: str, written: list[int]) -> list[int]:
     return list(written)
 
 
-def sglang_serving_problem(architecture: str, num_layers: int, ids: list[int]) -> str | None:
-    """Why SGLang would feed a drafter trained on layer outputs `ids` other states, or None."""
+def dflash_default_layer_ids(num_layers: int, draft_layers: int) -> list[int]:
+    """SGLang's default DFlash target layers (dflash_utils.build_target_layer_ids): the middle layer for one draft
+    layer, else `draft_layers` ids spread evenly over 1..L-3."""
+    if draft_layers == 1:
+        return [num_layers // 2]
+    span = num_layers - 3 - 1
+    return [int(round(1 + i * span / (draft_layers - 1))) for i in range(draft_layers)]
+
+
+def sglang_serving_problem(architecture: str, num_layers: int, ids: list[int], family: str = "eagle3") -> str | None:
+    """Why SGLang would feed a drafter trained on layer outputs `ids` other states, or None. DFlash's capture
+    hooks add 1 to every id on every architecture (set_dflash_layers_to_capture): only the last layer is out."""
     if num_layers - 1 in ids:
         # every SGLang model captures a layer's output at the next layer's input, inside the layer loop
         return (f"SGLang captures layer i's output at the input of layer i + 1, so the last layer's output "
                 f"(id {num_layers - 1}) never reaches a drafter; use ids up to {num_layers - 2}")
-    served = sglang_captured_outputs(architecture, ids)
+    served = ids if family == "dflash" else sglang_captured_outputs(architecture, ids)
     if served != ids:
         return (f"SGLang's {architecture} reads ids whose first is not 1 as layer inputs "
                 f"(set_eagle3_layers_to_capture), so it would serve this drafter the outputs of layers {served} "
                 f"(-1 = the embedding); ids starting with 1 mean the same to SGLang and to Eyrie")
     return None
+
+
+def configured_aux_layer_ids(info: TargetInfo, cfg) -> list[int]:
+    """The aux layer ids a run's config gives (an EyrieConfig: target.aux_layer_ids, the drafter family's default)."""
+    return info.aux_layer_ids(cfg.target.aux_layer_ids, cfg.train.drafter.family, cfg.train.dflash.num_layers)
 
 
 def declared_dtype(config: dict) -> str | None:

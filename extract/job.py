@@ -32,7 +32,7 @@ from data import aux_codec
 from data.files import atomic_write_json, file_checksum
 from data.layout import write_scalars
 from data.shards import ShardDataset, ShardMeta, ShardWriteError, ShardWriter, write_manifest
-from data.target import load_target_info
+from data.target import configured_aux_layer_ids, load_target_info
 
 from . import build
 from .backend import FINAL_HIDDEN, Backend, BackendSpec
@@ -255,12 +255,13 @@ def run(cfg: EyrieConfig) -> dict | None:
         raise ValueError(f"{cfg.layout.samples}: the samples were prepared for target {samples.meta.get('target_id')} "
                          f"(config hash {prepared_for}), not {cfg.target.path} ({info.config_hash}): run the data "
                          "stage again with this target")
-    layer_ids = info.aux_layer_ids(cfg.target.aux_layer_ids)
+    layer_ids = configured_aux_layer_ids(info, cfg)
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
                      aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
                      aux_encoding=ec.aux_encoding, final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
     # What the shards' content depends on; a completed shard from another config is extracted again.
     config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}" + \
+        f"-{'.'.join(map(str, layer_ids))}" + \
         ("" if ec.aux_encoding == "raw" else f"-{ec.aux_encoding}")
     out = cfg.layout.features
     out.mkdir(parents=True, exist_ok=True)

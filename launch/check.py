@@ -17,14 +17,14 @@ from data.config import ConfigError, EyrieConfig, load_config
 
 def problems(cfg: EyrieConfig, deepspeed_json: str | None = None) -> list[str]:
     """'key: what is wrong; the fix' for everything that would stop a stage later on."""
-    from data.target import load_target_info
+    from data.target import configured_aux_layer_ids, load_target_info
     found = []
     try:
         info = load_target_info(cfg.target.path)
     except (FileNotFoundError, ValueError) as e:
         return [f"target.path: {e}; point it at a transformers model directory (config.json, safetensors, tokenizer)"]
     try:
-        ids = info.aux_layer_ids(cfg.target.aux_layer_ids)  # its refusals name target.aux_layer_ids
+        ids = configured_aux_layer_ids(info, cfg)  # its refusals name target.aux_layer_ids
     except ValueError as e:
         found.append(str(e))
         ids = None
@@ -74,6 +74,13 @@ def tokenizer_problems(cfg: EyrieConfig) -> list[str]:
 
 
 def drafter_problems(cfg: EyrieConfig, info, ids: list[int]) -> list[str]:
+    if cfg.train.drafter.family == "dflash":
+        from train.families import mask_token_id
+        try:
+            mask_token_id(cfg, info.vocab_size)
+        except ValueError as e:
+            return [str(e)]
+        return []
     from train.drafter import drafter_config
     try:
         drafter_config(info, cfg.train.drafter, cfg.data.draft_vocab_size, ids)

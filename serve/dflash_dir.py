@@ -16,6 +16,8 @@ from transformers import LlamaConfig
 from data.files import atomic_write_json
 from data.target import declared_dtype
 
+from train.dflash import SGLANG_CLASS  # noqa: F401  (the class a directory's config names)
+
 from .drafter_dir import DrafterDirError
 
 

@@ -32,6 +32,7 @@ from data.target import declared_dtype, load_target_info
 from train.drafter import eagle31_options
 from train.drafters import arch_of
 
+from . import dflash_dir
 from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
 
 
@@ -116,6 +117,8 @@ def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bo
     tag = resolve_tag(checkpoints, tag)
     config = LlamaConfig(**json.loads(layout.drafter_config.read_text()))
     weights = consolidate(checkpoints, tag)
+    if config.architectures == [dflash_dir.SGLANG_CLASS]:
+        return export_dflash(config, weights, layout, tag, out, check_with_sglang)
     tensors = {k: v for k, v in weights.items() if k in expected_shapes(config)}
     features = read_manifest(layout.features)
     validate(config, tensors, str(checkpoints / tag), layer_ids=features["meta"]["aux_layer_ids"])
@@ -124,6 +127,28 @@ def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bo
     report = {"drafter": str(out), "tag": tag, "tensors": len(tensors)}
     if check_with_sglang:
         report["sglang_check"] = maybe_check_with_sglang(out)
+    return report
+
+
+def export_dflash(config: LlamaConfig, weights: dict[str, torch.Tensor], layout: RunLayout, tag: str, out: Path,
+                  check_with_sglang: bool) -> dict:
+    """A DFlash drafter's directory (serve/dflash_dir.py): its tensors as trained, its config as SGLang reads it."""
+    summary = json.loads(layout.train_summary.read_text())
+    dc, ev = config.dflash_config, summary.get("eval") or {}
+    card = f"""# DFlash drafter (exported by Eyrie)
+
+- Target: `{summary['config']['target']['path']}`, target layer ids {dc['target_layer_ids']} (output of decoder layer i)
+- Drafter: {config.num_hidden_layers} layers, blocks of {dc['block_size']}, mask token id {dc['mask_token_id']}
+- Training: checkpoint `{tag}` of {summary['steps']} steps, {summary['tokens']} tokens; held-out greedy accept length
+  of a block (tokens per verify step, teacher-forced context): {ev.get('accept_length', float('nan')):.3f}
+
+Serve: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH
+--speculative-draft-model-path THIS_DIR --speculative-num-draft-tokens {dc['block_size']}`
+"""
+    dflash_dir.write(out, config, weights, card)
+    report = {"drafter": str(out), "tag": tag, "tensors": len(weights), "family": "dflash"}
+    if check_with_sglang:
+        report["sglang_check"] = maybe_check_with_sglang(out, "dflash")
     return report
 
 
@@ -178,15 +203,16 @@ def untrained_like(src: str | Path, out: str | Path, seed: int = 0) -> dict:
     return {"drafter": str(out), "untrained_like": str(src), "tensors": len(fresh)}
 
 
-def maybe_check_with_sglang(directory: Path) -> dict | str:
+def maybe_check_with_sglang(directory: Path, family: str = "eagle3") -> dict | str:
     try:
         import sglang  # noqa: F401
     except ImportError:
         return "not run: sglang is not installed (pip install -e '.[sglang]')"
-    config = read_config(directory)
-    problem = arch_of(config).cpu_check_problem(config)
-    if problem:
-        return f"not run: {problem}"
+    if family == "eagle3":
+        config = read_config(directory)
+        problem = arch_of(config).cpu_check_problem(config)
+        if problem:
+            return f"not run: {problem}"
     from .sglang_check import check_in_subprocess
     return check_in_subprocess(directory)[0]
 

@@ -195,8 +195,9 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
                      aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
                      gamma: float | None = None, generator: torch.Generator | None = None) -> BlockResult:
     """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens.
-    embed [V, H] and lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states."""
-    cfg = drafter.config
+    `drafter`: the model or its DeepSpeed engine (whose forward gathers ZeRO-3 partitions); embed [V, H] and
+    lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states."""
+    cfg = getattr(drafter, "module", drafter).config  # the drafter or its DeepSpeed engine
     bs, mask_id = cfg.dflash_config["block_size"], cfg.dflash_config["mask_token_id"]
     B, T = input_ids.shape
     device = input_ids.device

@@ -1,9 +1,9 @@
-"""Train an EAGLE-3 drafter on extracted features:
+"""Train a drafter (EAGLE-3 or DFlash: train.drafter.family, train/families.py) on extracted features:
 
     deepspeed [--num_gpus N | --hostfile H] train/main.py --config run.yaml [--deepspeed_config ds.json] [--train.key v]
 
-config → data → model (+ teacher) → DeepSpeed engine (resumes from `latest`) → TTT loop with eval and
-checkpoints → summary. Reads RUN_DIR/features and RUN_DIR/data/draft_vocab.safetensors, writes RUN_DIR/train.
+config → data → the family's model and objective → DeepSpeed engine (resumes from `latest`) → training loop
+with eval and checkpoints → summary. Reads RUN_DIR/features and RUN_DIR/data/draft_vocab.safetensors, writes RUN_DIR/train.
 """
 from __future__ import annotations
 
@@ -24,14 +24,10 @@ import torch.distributed as dist
 from data.config import EyrieConfig, cli_config, stage_errors
 from data.files import atomic_write_json
 from data.split import heldout_ids, read_split, split_digest
-from data.target import load_target_info, load_target_tensors
-from data.vocab import load_draft_vocab
-from train.drafter import Eagle3Drafter, drafter_config
-from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine, warm_start, warm_start_config
+from train.engine import Checkpoints, StopSignal, deepspeed_config, init_engine
+from train.families import FAMILIES, Family
 from train.loader import FeatureData
-from train.metrics import Logger, TTTStats, score
-from train.teacher import Teacher
-from train.ttt import ttt_unroll
+from train.metrics import Logger
 
 
 def resume_key(cfg: EyrieConfig) -> dict:
@@ -63,52 +59,23 @@ def setup_distributed() -> torch.device:
     return device
 
 
-def build_drafter(cfg: EyrieConfig, data: FeatureData, device: torch.device) -> tuple[Eagle3Drafter, Teacher]:
-    target = load_target_info(cfg.target.path)
-    meta = data.meta
-    if meta["target_config_hash"] != target.config_hash:
-        raise ValueError(f"{cfg.layout.features} was extracted from a target whose config differs from "
-                         f"{cfg.target.path} ({meta['target_config_hash']} vs {target.config_hash})")
-    ids = meta["aux_layer_ids"]  # the shards' layer ids are the truth; a configured list must agree
-    if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != ids:
-        raise ValueError(f"target.aux_layer_ids {cfg.target.aux_layer_ids} but the shards hold layers {ids}")
-    d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
-    config = drafter_config(target, cfg.train.drafter, len(d2t), ids)
-    if cfg.train.warm_start:  # the drafter continues as it was trained: its RoPE and norm epsilon
-        for note in warm_start_config(config, cfg.train.warm_start, cfg.train.drafter.rms_norm_eps):
-            print(f"[train] warm start from {cfg.train.warm_start}: keeping {note}", flush=True)
-    model = Eagle3Drafter(config, d2t, t2d)
-    embed = load_target_tensors(cfg.target.path, ["embed"]).get("embed")
-    if embed is None:
-        raise ValueError(f"{cfg.target.path}: no embed_tokens.weight in the target's checkpoint")
-    if embed.shape == model.embed_tokens.weight.shape:
-        model.embed_tokens.weight.data.copy_(embed)
-    else:  # a drafter narrower than the target learns its own embedding (exported with it)
-        model.embed_tokens.weight.requires_grad_(True)
-    if cfg.train.warm_start:
-        warm_start(model, cfg.train.warm_start, cfg.target.path)
-    model.set_attention(cfg.train.attention if cfg.train.attention != "auto" else
-                        "flex" if device.type == "cuda" else "blockwise")
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.lm_head.recompute_logits = cfg.train.recompute_logits
-    dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.dtype != "float32" else torch.float32
-    teacher = Teacher.from_target(cfg.target.path, target.text_config, meta["final_hidden"], t2d, device, dtype)
-    return model, teacher
-
-
 @torch.no_grad()
-def evaluate(engine, data: FeatureData, teacher: Teacher, cfg: EyrieConfig, device, dtype) -> dict | None:
+def evaluate(engine, family: Family, data: FeatureData, device, dtype) -> dict | None:
+    """The family's objective over the held-out samples, without training (the same blocks every time)."""
     plan = data.eval_plan()
     if not plan:
         return None
     engine.eval()
-    stats = score(engine, data, plan, teacher, cfg.train.ttt_steps, cfg.train.ttt_decay, device, dtype)
+    stats = family.stats()
+    for indices in plan:
+        b = data.collate(indices).to(device, dtype)
+        stats.add(family.eval_step(engine, b), b.tokens, b.padded)
     engine.train()
     return stats.reduce()
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = cli_config("train", "Train an EAGLE-3 drafter with DeepSpeed.", argv, {
+    cfg, args = cli_config("train", "Train a drafter (EAGLE-3 or DFlash) with DeepSpeed.", argv, {
         "--deepspeed_config": {"default": None, "help": "a DeepSpeed JSON to use instead of train.optim"},
         "--local_rank": {"type": int, "default": None, "help": "set by the deepspeed launcher"}})
     device = setup_distributed()
@@ -119,14 +86,15 @@ def main(argv: list[str] | None = None) -> None:
 
     split = read_split(layout.split)  # the data stage's held-out samples: evaluated here, never trained on
     data = FeatureData(layout.features, heldout_ids(split), tc.max_batch_tokens, cfg.seed, rank, world)
-    model, teacher = build_drafter(cfg, data, device)
+    bf16 = device.type == "cuda" and tc.dtype != "float32"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    family = FAMILIES[tc.drafter.family](cfg, data, device, dtype)
+    model = family.model
 
-    bf16 = teacher.lm_head.dtype == torch.bfloat16
     provisional = deepspeed_config(tc, 1, bf16, args.deepspeed_config)
     steps_per_epoch = max(1, data.micro_batches_per_epoch() // provisional.get("gradient_accumulation_steps", 1))
     total = tc.max_steps or steps_per_epoch * tc.epochs
     engine = init_engine(model, deepspeed_config(tc, total, bf16, args.deepspeed_config))
-    dtype = torch.bfloat16 if bf16 else torch.float32
     checkpoints = Checkpoints(layout.checkpoints, tc.keep_last)
     state = checkpoints.resume(engine) or {"step": 0, "epoch": 0, "micro": 0, "tokens": 0,
                                             "resume_key": resume_key(cfg)}
@@ -144,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{data.padding_fraction(data.epoch_plan(0)):.1%}" + (f", resumed at step {state['step']}"
                                                                       if state["step"] else ""))
 
-    stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
+    stats, waited, t0 = family.stats(), 0.0, time.perf_counter()
     step, eval_metrics, stop, stopped = state["step"], None, StopSignal(), 0
     epochs_needed = math.ceil(total / steps_per_epoch) + 1
     stream = data.stream(state["epoch"], state["micro"], epochs_needed, pin=device.type == "cuda")
@@ -152,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         if step >= total:
             break
         b = batch.to(device, dtype)
-        result = ttt_unroll(engine, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths, teacher(b.final_hidden),
-                            tc.ttt_steps, tc.ttt_decay)
+        result = family.step(engine, b)
         engine.backward(result.loss)
         engine.step()
         stats.add(result, b.tokens, b.padded)
@@ -172,15 +139,14 @@ def main(argv: list[str] | None = None) -> None:
             if device.type == "cuda":
                 scalars["gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             log.log(step, scalars, "train")
-            log.progress(step, {"loss": f"{scalars['loss']:.3f}", "acc0": f"{scalars['acc_step0']:.2f}",
-                                f"accept{tc.ttt_steps}_ttt": f"{scalars['accept_length']:.2f}"})
-            stats, waited, t0 = TTTStats(tc.ttt_steps, tc.ttt_decay), 0.0, time.perf_counter()
+            log.progress(step, family.progress(scalars))
+            stats, waited, t0 = family.stats(), 0.0, time.perf_counter()
         # the periodic save comes before the evaluation: the mission run's first eval compiled its no-grad kernels
         # for over a minute on the H200, was stopped there and lost its step's save
         stopped = stop.agreed() if step < total else 0
         tag = checkpoints.save(engine, step, state) if step % tc.save_every == 0 or step == total or stopped else None
         if (step % tc.eval_every == 0 or step == total) and not stopped:
-            eval_metrics = evaluate(engine, data, teacher, cfg, device, dtype)
+            eval_metrics = evaluate(engine, family, data, device, dtype)
             if eval_metrics:
                 log.log(step, eval_metrics, "eval")
                 if eval_metrics["accept_length"] > best:

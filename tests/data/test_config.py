@@ -63,3 +63,20 @@ def test_entry_point_prints_resolved_config_and_rejects_bad_keys(cfg_file):
     out = subprocess.run([sys.executable, "-m", "data", "--config", str(cfg_file), "--data.nope", "1"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "data.nope: unknown key" in out.stderr
+
+
+def test_the_drafter_family_sets_how_many_aux_layers_and_which_options_fit(tmp_path):
+    """EAGLE-3 reads exactly three layers; DFlash any number (its fc projects as many as its config names); an
+    EAGLE-3 option with a DFlash drafter is refused naming the key."""
+    import json
+
+    from data.config import ConfigError, load_config
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"target": {"path": "t"}, "data": {"inputs": ["c.jsonl"]}}))
+    dflash = load_config(path, ["--train.drafter.family", "dflash", "--target.aux_layer_ids", "[1, 2, 3, 4, 5]"])
+    assert dflash.target.aux_layer_ids == [1, 2, 3, 4, 5]
+    with pytest.raises(ConfigError, match=r"target.aux_layer_ids: Value error, EAGLE-3 drafters read exactly 3 .*"
+                                          r"\[command line --target.aux_layer_ids\]"):
+        load_config(path, ["--target.aux_layer_ids", "[1, 2, 3, 4, 5]"])
+    with pytest.raises(ConfigError, match="train.drafter: Value error, fc_norm belong to EAGLE-3 drafters"):
+        load_config(path, ["--train.drafter.family", "dflash", "--train.drafter.fc_norm", "true"])

@@ -97,3 +97,26 @@ def test_kimi_ids_are_refused_where_sglang_would_serve_other_layers_and_imported
     assert llama.drafter_layer_ids([2, 30, 28]) == [2, 30, 28]
     with pytest.raises(ValueError, match=r"last layer's output \(id 31\)"):
         llama.aux_layer_ids([1, 15, 31])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_every_sglang_architecture_captures_dflash_ids_as_layer_outputs():
+    """DFlash's capture hook (set_dflash_layers_to_capture) adds 1 to every id on every architecture that has one,
+    DeepseekV2's family included: a DFlash id is the output of that layer, with no first-id rule."""
+    probe = PROBE.replace("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture")
+    run = subprocess.run([sys.executable, "-c", probe, json.dumps(CASES)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    assert line, run.stderr[-3000:]
+    table = {arch: rows for arch, rows in json.loads(line[len("PROBE "):]).items() if rows != "delegates"}
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(table)
+    assert {arch: rows for arch, rows in table.items() if rows != CASES} == {}
+
+
+def test_dflash_ids_default_as_sglangs_and_skip_the_eagle_first_id_rule(tmp_path):
+    kimi = load_target_info(write_target(tmp_path / "kimi", KIMI, 61))
+    assert kimi.aux_layer_ids(None, "dflash", 5) == [1, 15, 30, 44, 58]  # dflash_utils.build_target_layer_ids
+    assert kimi.aux_layer_ids(None, "dflash", 1) == [30]
+    assert kimi.aux_layer_ids([2, 30, 58], "dflash") == [2, 30, 58]  # refused for EAGLE-3 above
+    with pytest.raises(ValueError, match=r"last layer's output \(id 60\)"):
+        kimi.aux_layer_ids([2, 60], "dflash")
