@@ -143,7 +143,8 @@ class DFlashConfig(Section):
     num_layers: int = Field(1, ge=1, description="draft layers; also sets the default target.aux_layer_ids")
     block_size: int = Field(16, ge=2, description="tokens per drafted block (SGLang's speculative-num-draft-tokens)")
     mask_token_id: int | None = Field(None, ge=0, description="the target-vocabulary id a block's undrafted positions "
-                                      "hold; default: the tokenizer's <|MASK|> (SGLang's default mask token)")
+                                      "hold; default: the tokenizer's <|MASK|> (SGLang's), else the next free "
+                                      "embedding row, else the pad token")
     blocks_per_sample: int = Field(64, ge=1, description="blocks anchored at sampled positions of each sample")
     loss_decay_gamma: float | None = Field(7.0, gt=0, description="block position k weighs exp(-(k-1)/gamma)")
 

@@ -110,7 +110,8 @@ class BlockStats:
 
 def mask_token_id(cfg: EyrieConfig, vocab_size: int) -> int:
     """train.dflash.mask_token_id, else what SGLang resolves: the tokenizer's <|MASK|>, else the id the token gets
-    when SGLang adds it to the tokenizer (its length), which the target's embedding must hold."""
+    when SGLang adds it to the tokenizer (its length), which the target's embedding must hold; else the pad token.
+    The id is written into the drafter's config, so SGLang serves with the same one."""
     if cfg.train.dflash.mask_token_id is not None:
         return cfg.train.dflash.mask_token_id
     from transformers import AutoTokenizer
@@ -120,8 +121,11 @@ def mask_token_id(cfg: EyrieConfig, vocab_size: int) -> int:
         return int(found)
     if len(tok) < vocab_size:
         return len(tok)
-    raise ValueError(f"train.dflash.mask_token_id: the tokenizer has no <|MASK|> and the target's embedding has no "
-                     f"row past its {len(tok)} tokens for SGLang to add one; set it to a reserved token's id")
+    if tok.pad_token_id is not None and tok.pad_token_id not in (tok.eos_token_id, tok.bos_token_id):
+        return int(tok.pad_token_id)  # a token the model never emits
+    raise ValueError(f"train.dflash.mask_token_id: the tokenizer has no <|MASK|> or pad token and the target's "
+                     f"embedding has no row past its {len(tok)} tokens for SGLang to add one; set it to a reserved "
+                     "token's id")
 
 
 def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: torch.dtype) -> Family:
