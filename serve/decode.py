@@ -9,7 +9,8 @@ drafter directory, with KV caches on both sides. It runs the algorithm SGLang ru
               greedy tokens, emit it plus the target's next token; crop both caches to the accepted length
     extend    drafter extend over the accepted tokens with the target's aux states from the verify pass
 
-Greedy output equals the target's own greedy output (lossless). Accept length = completion tokens / target
+A DFlash drafter directory is decoded by blocks instead (speculative_blocks). Greedy output equals the target's
+own greedy output (lossless). Accept length = completion tokens / target
 verify calls (SGLang's spec_accept_length).
 
     python -m serve.decode --target TARGET --drafter DRAFTER_DIR [--steps 3] [--prompts FILE] [--max-new-tokens 64]
@@ -28,6 +29,7 @@ from data.split import first_turn
 from data.target import AuxCapture, load_causal_lm
 from train.drafter import KVCache
 
+from . import dflash_dir
 from .drafter_dir import load_drafter
 
 
@@ -120,14 +122,63 @@ def speculative(target: Target, drafter, prompt: list[int], max_new: int, eos: s
     return result
 
 
+@torch.inference_mode()
+def speculative_blocks(target: Target, drafter, prompt: list[int], max_new: int, eos: set[int]) -> DecodeResult:
+    """DFlash's cycle, as SGLang's DFLASH worker runs it greedily: the block [x, mask, ...] at x's position p,
+    drafted in one forward over the target's aux states of positions < p; one target forward verifies
+    [x, d1..d(B-1)]; the accepted tokens' aux states join the context."""
+    from transformers import DynamicCache
+    t0 = time.perf_counter()
+    dev = target.model.device
+    cfg = drafter.config.dflash_config
+    size, mask = cfg["block_size"], cfg["mask_token_id"]
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    t_cache = DynamicCache()
+    logits, context = target(torch.tensor(prompt, device=dev), t_cache, 0)
+    tokens = [int(logits[-1].argmax())]
+    result = DecodeResult(tokens)
+    while len(tokens) < max_new and tokens[-1] not in eos:
+        p = len(prompt) + len(tokens) - 1  # the position of x, the last emitted token: context is what precedes it
+        block = torch.tensor(tokens[-1:] + [mask] * (size - 1), device=dev)
+        hidden = drafter(embed(block)[None], torch.arange(p, p + size, device=dev)[None], context[None],
+                         torch.arange(p, device=dev)[None])
+        drafts = head(hidden[0, 1:]).argmax(-1).tolist()
+        logits, aux = target(torch.tensor(tokens[-1:] + drafts, device=dev), t_cache, p)
+        greedy_ids = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == greedy_ids[accepted]:
+            accepted += 1
+        result.verify_calls += 1
+        result.accepted_drafts.append(accepted)
+        for tok in drafts[:accepted] + [greedy_ids[accepted]]:  # stop exactly where plain greedy decoding would
+            if len(tokens) >= max_new or tokens[-1] in eos:
+                break
+            tokens.append(tok)
+        if accepted < len(drafts):
+            t_cache.crop(accepted - len(drafts))
+        context = torch.cat([context, aux[:accepted + 1]])  # x and the accepted drafts now have target states
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
 def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: int = 3, max_new: int = 64,
         device: str | None = None, tools: list[list[dict] | None] | None = None) -> dict:
     """Greedy and speculative decoding of each prompt (with its tool declarations, when given)."""
     from transformers import AutoTokenizer
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    drafter = load_drafter(drafter_dir, target_path, dev, dtype)
-    target = Target(target_path, drafter.config.eagle_config["eagle_aux_hidden_state_layer_ids"], dev, dtype)
+    if dflash_dir.is_dflash_dir(drafter_dir):  # a block drafter: its target layers, one forward per block
+        drafter = dflash_dir.load(drafter_dir, dev, dtype)
+        layers = drafter.config.dflash_config["target_layer_ids"]
+        steps = drafter.config.dflash_config["block_size"] - 1
+        chain = f"reference decoder, DFlash blocks of {steps + 1} ({steps} drafts)"
+        decode = lambda target, prompt: speculative_blocks(target, drafter, prompt, max_new, eos)  # noqa: E731
+    else:
+        drafter = load_drafter(drafter_dir, target_path, dev, dtype)
+        layers = drafter.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+        chain = f"reference decoder, {steps} steps / top-k 1 / {steps + 1} draft tokens"
+        decode = lambda target, prompt: speculative(target, drafter, prompt, max_new, eos, steps)  # noqa: E731
+    target = Target(target_path, layers, dev, dtype)
     tok = AutoTokenizer.from_pretrained(target_path)
     gen_eos = getattr(target.model.generation_config, "eos_token_id", None)
     eos = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None}
@@ -136,7 +187,7 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
         prompt = tok.apply_chat_template(messages, tools=prompt_tools, add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
         base = greedy(target, prompt, max_new, eos)
-        spec = speculative(target, drafter, prompt, max_new, eos, steps)
+        spec = decode(target, prompt)
         rows.append({"prompt": messages[-1]["content"], "identical": base.tokens == spec.tokens,
                      "tokens": len(spec.tokens), "verify_calls": spec.verify_calls,
                      "accept_length": spec.accept_length, "text": tok.decode(spec.tokens),
@@ -144,7 +195,7 @@ def run(target_path: str, drafter_dir: str, prompts: list[list[dict]], steps: in
         base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
         gen, calls = gen + len(spec.tokens), calls + spec.verify_calls
     return {"target": target_path, "drafter": drafter_dir, "steps": steps, "device": str(dev),
-            "chain": f"reference decoder, {steps} steps / top-k 1 / {steps + 1} draft tokens",
+            "chain": chain,
             "identical_to_greedy": all(r["identical"] for r in rows), "completion_tokens": gen,
             "verify_calls": calls, "accept_length": gen / max(calls, 1),
             "accept_length_formula": "completion tokens / target verify calls (SGLang's spec_accept_length)",

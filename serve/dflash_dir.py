@@ -75,3 +75,27 @@ def write(out: str | Path, config: LlamaConfig, tensors: dict[str, torch.Tensor]
     (tmp / "README.md").write_text(card)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def load(directory: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """An exported DFlash drafter as a module (train.dflash.DFlashDrafter), validated first."""
+    from data.files import read_json, safetensors_reader
+    from train.dflash import DFlashDrafter
+    path = Path(directory)
+    raw = read_json(path / "config.json")
+    if raw is None:
+        raise DrafterDirError(f"{path / 'config.json'}: missing")
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safetensors_reader(f, "serve.export (or the drafter's publisher)") as fh:
+            tensors |= {k: fh.get_tensor(k) for k in fh.keys()}
+    validate(config, tensors, str(path))
+    model = DFlashDrafter(config)
+    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return model.to(device, dtype).eval()
+
+
+def is_dflash_dir(directory: str | Path) -> bool:
+    from data.files import read_json
+    return (read_json(Path(directory) / "config.json") or {}).get("architectures") == [SGLANG_CLASS]

@@ -191,3 +191,10 @@ def test_a_dflash_drafter_trains_with_deepspeed_and_exports_for_sglang(features_
     assert config["dflash_config"]["target_layer_ids"] == [0, 1, 2] and config["dflash_config"]["mask_token_id"] == 3
     if HAVE_SGLANG:
         assert report["sglang_check"]["ok"] and report["sglang_check"]["dflash"]["block_size"] == 4, report
+    # the reference decoder drafts by blocks and stays lossless: every output is the target's own greedy one
+    from serve.decode import run as decode
+    prompts = [[{"role": "user", "content": text}] for text in ("Count to five.", "Name a bird.", "Add 2 and 3.")]
+    decoded = decode(json.loads((run / "train" / "summary.json").read_text())["config"]["target"]["path"],
+                     str(tmp_path / "drafter"), prompts, max_new=24, device="cpu")
+    assert decoded["identical_to_greedy"] and decoded["chain"] == "reference decoder, DFlash blocks of 4 (3 drafts)"
+    assert 1.0 <= decoded["accept_length"] <= 4.0 and decoded["verify_calls"] <= decoded["completion_tokens"]
