@@ -244,6 +244,9 @@ class EyrieConfig(Section):
             if eagle_only:
                 raise ValueError(f"train.drafter: {', '.join(eagle_only)} belong to EAGLE-3 drafters; a DFlash "
                                  "drafter is SGLang's DFlashDraftModel (train.dflash)")
+            if drafter.hidden_size is not None:
+                raise ValueError("train.drafter: hidden_size is the target's for a DFlash drafter (its blocks are "
+                                 "embedded by the target's embedding and read by the target's head)")
         return self
 
     @property

@@ -80,3 +80,5 @@ def test_the_drafter_family_sets_how_many_aux_layers_and_which_options_fit(tmp_p
         load_config(path, ["--target.aux_layer_ids", "[1, 2, 3, 4, 5]"])
     with pytest.raises(ConfigError, match="train.drafter: Value error, fc_norm belong to EAGLE-3 drafters"):
         load_config(path, ["--train.drafter.family", "dflash", "--train.drafter.fc_norm", "true"])
+    with pytest.raises(ConfigError, match="hidden_size is the target's for a DFlash drafter"):
+        load_config(path, ["--train.drafter.family", "dflash", "--train.drafter.hidden_size", "256"])
