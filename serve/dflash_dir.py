@@ -10,15 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
-
-from data.files import atomic_write_json
-from data.target import declared_dtype
 
 from train.dflash import SGLANG_CLASS  # noqa: F401  (the class a directory's config names)
 
-from .drafter_dir import DrafterDirError
+from .drafter_dir import DrafterDirError, dtype_and_rope_fields, write_whole
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -53,28 +49,15 @@ def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], where: str) 
 def sglang_config(config: LlamaConfig) -> dict:
     """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
     out = config.to_dict()
-    rope = dict(out.get("rope_parameters") or {})
-    dtype = declared_dtype(out) or "bfloat16"
-    return out | {"dtype": dtype, "torch_dtype": dtype, "rope_theta": rope.get("rope_theta", 10000.0),
-                  "rope_scaling": None if rope.get("rope_type", "default") == "default" else
-                  {k: v for k, v in rope.items() if k != "rope_theta"}}
+    return out | dtype_and_rope_fields(out)
 
 
 def write(out: str | Path, config: LlamaConfig, tensors: dict[str, torch.Tensor], card: str,
           weights_dtype: torch.dtype = torch.bfloat16) -> None:
     """The directory, validated first; floating tensors in `weights_dtype`."""
-    import shutil
-    out = Path(out)
     tensors = {k: v.to(weights_dtype).contiguous() for k, v in tensors.items()}
     validate(config, tensors, str(out))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(tmp / "config.json", sglang_config(config))
-    (tmp / "README.md").write_text(card)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    write_whole(Path(out), tensors, sglang_config(config), card)
 
 
 def load(directory: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):

@@ -49,20 +49,41 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def dtype_and_rope_fields(out: dict) -> dict:
+    """The declared dtype under both keys (transformers 4 and 5 readers; the target's: train.drafter.drafter_config)
+    and the legacy RoPE fields older readers use, from a config's transformers-5 dict."""
+    rope = dict(out.get("rope_parameters") or {})
+    dtype = declared_dtype(out) or "bfloat16"
+    return {"dtype": dtype, "torch_dtype": dtype, "rope_theta": rope.get("rope_theta", 10000.0),
+            "rope_scaling": None if rope.get("rope_type", "default") == "default" else
+            {k: v for k, v in rope.items() if k != "rope_theta"}}
+
+
 def sglang_config(config: LlamaConfig) -> dict:
     """config.json for SGLang: the transformers-5 dict plus the legacy RoPE fields older readers use."""
     out = config.to_dict()
-    rope = dict(out.get("rope_parameters") or {})
-    # the target's declared dtype (train.drafter.drafter_config); both keys, for transformers 4 and 5 readers
-    dtype = declared_dtype(out) or "bfloat16"
     arch = arch_of(config)
     out |= {"architectures": [arch.sglang_class], "model_type": arch.model_type, "num_hidden_layers": 1,
-            "tie_word_embeddings": False, "dtype": dtype, "torch_dtype": dtype,
-            "rope_theta": rope.get("rope_theta", 10000.0),
-            "rope_scaling": None if rope.get("rope_type", "default") == "default" else
-            {k: v for k, v in rope.items() if k != "rope_theta"}}
+            "tie_word_embeddings": False} | dtype_and_rope_fields(out)
     out["eagle_config"] = dict(out["eagle_config"]) | {"use_aux_hidden_state": True}
     return out
+
+
+def write_whole(out: Path, tensors: dict[str, torch.Tensor], config_json: dict, card: str) -> None:
+    """A drafter directory (model.safetensors, config.json, README.md), written whole or not at all."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from data.files import atomic_write_json
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", config_json)
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
 def read_config(directory: str | Path, default_layer_ids: list[int] | None = None) -> LlamaConfig:

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from data.files import atomic_write_json, read_json
+from data.files import read_json
 from data.layout import RunLayout
 from data.shards import read_manifest
 from data.target import declared_dtype, load_target_info
@@ -33,7 +31,8 @@ from train.drafter import eagle31_options
 from train.drafters import arch_of
 
 from . import dflash_dir
-from .drafter_dir import DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate
+from .drafter_dir import (DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate,
+                          write_whole)
 
 
 def resolve_tag(checkpoints: Path, tag: str) -> str:
@@ -63,14 +62,7 @@ def write_drafter_dir(out: Path, config: LlamaConfig, tensors: dict[str, torch.T
                for k, v in tensors.items()}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
     validate(config, tensors, str(out))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(tmp / "config.json", sglang_config(config))
-    (tmp / "README.md").write_text(card)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    write_whole(out, tensors, sglang_config(config), card)
 
 
 SERVED_STEPS = 3  # the chain the model card's serve command uses (and the pipeline's reference decoder)

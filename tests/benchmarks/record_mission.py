@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> Path:
     record = {"name": f"mission-{a.date}", "kind": "mission", "date": a.date, "commands": a.command,
               "commit": a.commit, "environment": environment | {"commit": a.commit}, "notes": a.note,
               "invalid": dict(item.split("=", 1) for item in a.invalid), "results": mission_results(root)}
-    out = Path(a.out) / f"{record['name']}.json"
+    return write_record(record, a.out)
+
+
+def write_record(record: dict, directory: str | Path) -> Path:
+    """OUT/NAME.json, what render_results.py renders (record: name, kind, date, commands, commit, environment,
+    notes, invalid, results)."""
+    out = Path(directory) / f"{record['name']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from record_mission import RESULTS, write_record  # noqa: E402  (this script's folder is on sys.path)
 
 
 def smoke_results(report: dict) -> dict:
@@ -51,11 +51,7 @@ def main(argv: list[str] | None = None) -> Path:
     record = {"name": a.name, "kind": "smoke", "date": a.date, "commands": a.command,
               "commit": environment["commit"], "environment": environment, "notes": a.note,
               "invalid": dict(item.split("=", 1) for item in a.invalid), "results": smoke_results(report)}
-    out = Path(a.out) / f"{a.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
-    return out
+    return write_record(record, a.out)
 
 
 if __name__ == "__main__":
