@@ -57,6 +57,10 @@ def prepare(cfg: EyrieConfig) -> dict:
             sample = chat.fit(chat(conv, report), report)
         except MalformedSample as e:
             if not cfg.data.skip_malformed:
+                if e.kind == "template_error":  # what a user can do about a template that cannot be followed
+                    raise MalformedSample(e.where, f"{e.reason} (data.skip_malformed: true skips and counts such "
+                                          "samples; target.tokenizer points at a tokenizer with another template)",
+                                          e.kind) from None
                 raise
             report.skip(e.kind, e.where, e.reason)
             continue

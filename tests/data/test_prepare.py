@@ -79,3 +79,26 @@ def test_prepare_with_regeneration_through_an_endpoint(tiny_target, tmp_path):
             [m["content"] for m in orig if m["role"] == "user"]
         assert all(m["content"] != o["content"] for m, o in zip(row["messages"], orig) if m["role"] == "assistant")
     assert manifest["totals"]["rows"] == 6
+
+
+def test_a_template_that_cannot_be_followed_stops_the_data_stage_naming_the_keys_that_help(tiny_target, tmp_path):
+    """A sample the template renders in a way no span can be found in (here: it rewrites the assistant's content)
+    stops the run naming the sample, the template's behaviour and the keys that help; with data.skip_malformed it
+    is counted instead."""
+    import shutil
+
+    import pytest
+
+    from data.conversations import MalformedSample
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = tok.chat_template.replace("{{ m.content | trim }}", "{{ m.content | upper }}")
+    tok.save_pretrained(target)
+    inputs = tmp_path / "c.jsonl"
+    inputs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(4, seed=2)))
+    with pytest.raises(MalformedSample, match=r"the assistant content is not in the render after its prompt "
+                                              r"\(data.skip_malformed: true .* target.tokenizer"):
+        prepare(load_config(write_config(tmp_path, target, inputs)))
+    with pytest.raises(RuntimeError, match="0 kept .* skipped: template_error=4"):  # every sample counted
+        prepare(load_config(write_config(tmp_path, target, inputs, skip_malformed=True)))
