@@ -181,14 +181,16 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_sample: i
 
 
 def block_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[B, N·bs, T + N·bs]: block n's positions see context positions < its anchor and their own block."""
+    """[B, N·bs, T + N·bs]: block n's positions see context positions < its anchor and their own block (a padding
+    block, keep False, only its own: it is never scored)."""
     B, N = anchors.shape
     q_block = torch.arange(N * block_size, device=anchors.device) // block_size            # [Q]
     kv = torch.arange(context_len + N * block_size, device=anchors.device)                 # [KV]
     anchor_of_q = anchors.repeat_interleave(block_size, dim=1)                             # [B, Q]
     context = (kv[None, None] < context_len) & (kv[None, None] < anchor_of_q[..., None])
     own_block = (kv[None, None] >= context_len) & ((kv - context_len) // block_size == q_block[:, None])[None]
-    return (context | own_block) & keep.repeat_interleave(block_size, dim=1)[..., None]
+    # a padding block (keep False) sees only itself: no row is fully masked (NaN on some attention kernels)
+    return (context & keep.repeat_interleave(block_size, dim=1)[..., None]) | own_block
 
 
 def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
@@ -217,7 +219,7 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
         weight = weight * torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
     logits = (hidden @ lm_head.to(hidden.dtype).T).float().view(B, N, bs, -1)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, bs)
-    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    loss = torch.where(weight > 0, ce * weight, 0.0).sum() / weight.sum().clamp(min=1e-6)
     with torch.no_grad():
         scored = weight > 0
         hit = (logits.argmax(-1) == labels) & scored
