@@ -155,9 +155,8 @@ def not_run_because(cfg: EyrieConfig, stage: str) -> str | None:
     """Why a stage has nothing to run with this config, or None."""
     if stage == "regenerate" and not cfg.data.regenerate.enabled:
         return "not enabled (data.regenerate.enabled is false)"
-    if stage in ("evaluate", "smoke") and cfg.train.drafter.family == "dflash":
-        return ("not yet for DFlash drafters (train.drafter.family: dflash): the held-out figure is the train "
-                "stage's block accept length (RUN_DIR/train/summary.json, eval)")
+    if stage == "smoke" and cfg.train.drafter.family == "dflash":
+        return "not yet for DFlash drafters (train.drafter.family: dflash): the evaluate stage's figures stand"
     return None
 
 
@@ -191,9 +190,10 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                 [sys.executable, "-m", "serve.export", "--untrained-like", str(run.drafter),
                  "--seed", str(cfg.seed), "--out", str(run.untrained_drafter)]]
                 if cfg.train.drafter.family == "eagle3" else [])
-    if stage == "evaluate":
-        return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run.drafter),
-                 "--drafter", str(run.untrained_drafter), "--run", str(run.root), "--steps", str(cfg.train.ttt_steps),
+    if stage == "evaluate":  # an EAGLE-3 drafter beside its untrained twin; a DFlash drafter alone
+        twin = ["--drafter", str(run.untrained_drafter)] if cfg.train.drafter.family == "eagle3" else []
+        return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run.drafter), *twin,
+                 "--run", str(run.root), "--steps", str(cfg.train.ttt_steps),
                  "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
     if stage == "smoke":
         sv = cfg.serve
@@ -245,6 +245,28 @@ def served_target(cfg: EyrieConfig):
         yield
 
 
+def dflash_summary(cfg: EyrieConfig, ev: dict) -> dict:
+    """A DFlash drafter's figures: the reference decoder's accept length by held-out group (blocks drafted over
+    the target, verified, lossless check) beside the offline one (stored features, teacher-forced context)."""
+    trained = str(cfg.layout.drafter)
+    decoded, offline = ev["decode"][trained], ev["dflash_drafters"][trained]
+    by_group = {g: {"prompts": len(decoded[g]["prompts"]), "completion_tokens": decoded[g]["completion_tokens"],
+                    "reference_decoder": decoded[g]["accept_length"],
+                    "offline_blocks": offline.get(g, {}).get("accept_length"),
+                    "heldout_samples": ev["groups"][g]["samples"]} for g in ev["groups"]}
+    group = primary_group(by_group)
+    return {"drafter_dir": trained, "family": "dflash",
+            "heldout": {"rule": ev["split_rule"], "groups": ev["groups"],
+                        "heldout_overlap_with_training": ev["heldout_overlap_with_training"]},
+            "accept_length": by_group[group]["reference_decoder"], "offline_accept_length":
+                by_group[group]["offline_blocks"], "accept_length_by_group": by_group,
+            "lossless": all(decoded[g]["identical_to_greedy"] for g in by_group),
+            "accept_length_formula": "completion tokens / target verify steps (SGLang's spec_accept_length): "
+                                     f"reference decoder, {decoded[group]['chain']}, on the '{group}' held-out "
+                                     "group's first prompts; offline: 1 + drafts of a block equal to the sample's "
+                                     "tokens in a row, over blocks anchored in the group's stored samples"}
+
+
 def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     """report.json: the acceptance numbers on top, then what each finished stage recorded."""
     run = cfg.layout
@@ -259,7 +281,9 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     if stage_done(cfg, "train", prints):
         trained = json.loads(outputs(cfg)["train"].read_text())
         report["train"] = {k: trained[k] for k in ("steps", "tokens", "world_size", "latest", "best", "eval")}
-    if stage_done(cfg, "evaluate", prints):
+    if stage_done(cfg, "evaluate", prints) and cfg.train.drafter.family == "dflash":
+        report |= dflash_summary(cfg, json.loads(outputs(cfg)["evaluate"].read_text()))
+    elif stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run.drafter), str(run.untrained_drafter)
         decoded, offline = ev["decode"], ev["drafters"][trained]
@@ -354,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = summarize(cfg, report, prints)
     atomic_write_json(report_path, report)
     print(f"[pipeline] report: {report_path}")
-    if "accept_length" in report:
+    if "accept_length" in report and report.get("family") == "dflash":
+        print(f"[pipeline] DFlash accept length {report['accept_length']:.2f} (reference decoder; offline "
+              f"{report['offline_accept_length']:.2f}), lossless: {report['lossless']}; drafter: "
+              f"{report['drafter_dir']}; held-out overlap with training "
+              f"{report['heldout']['heldout_overlap_with_training']}")
+    elif "accept_length" in report:
         print(f"[pipeline] accept length {report['accept_length']:.2f} (untrained drafter "
               f"{report['accept_length_untrained']:.2f}; offline {report['offline_accept_length']:.2f}), "
               f"lossless: {report['lossless']}; drafter: {report['drafter_dir']}")

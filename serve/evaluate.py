@@ -154,6 +154,45 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     return report
 
 
+def dflash_acceptance(path: str, run_dir: str | Path, group_rows: dict[str, list[int]], data: FeatureData,
+                      blocks_per_sample: int = 64, max_batch_tokens: int = 8192) -> dict:
+    """A DFlash drafter on each held-out group's stored features: blocks anchored at up to `blocks_per_sample`
+    positions of each sample (the same ones every run), drafted over the context before them; the accept length
+    of a block = 1 + its drafts equal to the sample's tokens in a row (greedy, teacher-forced context)."""
+    from data.target import load_target_tensors
+    from train.dflash import dflash_objective
+
+    from . import dflash_dir
+    features = read_manifest(RunLayout(run_dir).features)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = dflash_dir.load(path, device, dtype)
+    ids = model.config.dflash_config["target_layer_ids"]
+    if list(ids) != list(features["meta"]["aux_layer_ids"]):
+        raise DrafterDirError(f"{path}: reads layers {ids}, but the features hold layers "
+                              f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
+    tensors = load_target_tensors(features["meta"]["target_id"], ["embed", "lm_head"])
+    embed = tensors["embed"].to(device, dtype)
+    head = tensors.get("lm_head", tensors["embed"]).to(device, dtype)
+    out = {}
+    for group, rows in group_rows.items():
+        accepted = blocks = 0.0
+        correct = counted = None
+        for i, indices in enumerate(length_grouped_batches(data.lengths, np.array(rows), max_batch_tokens, None)):
+            b = data.collate(indices).to(device, dtype)
+            with torch.no_grad():
+                r = dflash_objective(model, embed, head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,
+                                     blocks_per_sample, None, torch.Generator().manual_seed(i))
+            accepted, blocks = accepted + float(r.accepted), blocks + float(r.blocks)
+            correct = r.correct.double().cpu() + (0 if correct is None else correct)
+            counted = r.counted.double().cpu() + (0 if counted is None else counted)
+        if blocks:
+            out[group] = {"blocks": int(blocks), "accept_length": 1.0 + accepted / blocks,
+                          "accuracy_by_position": (correct / counted.clamp(min=1))[1:].tolist(),
+                          "block_size": model.config.dflash_config["block_size"]}
+    return out
+
+
 def chain_label(steps: int, source: str, topk: int = 1) -> str:
     """How every accept length is labelled: its chain and who measured it."""
     draft_tokens = steps + 1 if topk == 1 else None
@@ -192,6 +231,8 @@ def heldout_prompts(record: dict, group: str, n: int) -> list[HeldOutPrompt]:
 
 def print_table(report: dict) -> None:
     names = list(report["drafters"])
+    if not names:
+        return
     print(f"offline evaluator, chain drafting, top-k 1; accept = tau(k) over "
           f"positions, decoded = walked answer by answer, prompts = {report['formulas']['prompts']}; "
           f"speedup = accept / (1 + steps x {report['draft_cost']})")
@@ -243,7 +284,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also run the reference speculative decoder (serve.decode) on N held-out prompts per group")
     p.add_argument("--decode-steps", type=int, default=3)
     a = p.parse_args(argv)
-    report = evaluate(a.drafter, a.run, a.split, a.steps, a.draft_cost, prompts=a.decode or 16)
+    from . import dflash_dir
+    blocks = [d for d in a.drafter if dflash_dir.is_dflash_dir(d)]  # DFlash drafters: their own offline figure
+    report = evaluate([d for d in a.drafter if d not in blocks], a.run, a.split, a.steps, a.draft_cost,
+                      prompts=a.decode or 16)
+    if blocks:
+        record = heldout_record(RunLayout(a.run)) if a.split == "eval" else read_split(RunLayout(a.run).split)
+        data = FeatureData(RunLayout(a.run).features, heldout_ids(record), 8192, seed=0, rank=0, world=1)
+        row_of = {s: i for i, s in enumerate(data.sample_ids)}
+        rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
+                for g in record["groups"]} if a.split == "eval" else {"all": list(range(len(data.ds)))}
+        report["dflash_drafters"] = {d: dflash_acceptance(d, a.run, rows, data) for d in blocks}
     out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)
     if a.decode and a.split == "eval":
@@ -270,10 +321,15 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(report)
     for name, groups in report.get("decode", {}).items():
         for group, d in groups.items():
-            print(f"reference decoder ({chain_label(d['steps'], 'reference decoder')}), {name}, group {group!r}: "
+            print(f"{d['chain']}, {name}, group {group!r}: "
                   f"accept length {d['accept_length']:.3f} ({d['accept_length_formula']}) over {len(d['prompts'])} "
                   f"prompts, {d['completion_tokens']} tokens; output identical to greedy: {d['identical_to_greedy']}; "
                   f"wall-clock speedup {d['speedup_wall_clock']:.2f}x on {d['device']}")
+    for name, groups in report.get("dflash_drafters", {}).items():
+        for group, d in groups.items():
+            print(f"offline evaluator, DFlash blocks of {d['block_size']}, {name}, group {group!r}: accept length "
+                  f"{d['accept_length']:.3f} over {d['blocks']} blocks (1 + drafts equal to the sample's tokens in "
+                  "a row, teacher-forced context)")
     print(f"held-out split: {report['split_rule']}; overlap with training {report['heldout_overlap_with_training']}")
     print(f"report: {out / 'evaluate.json'}, plot: {out / 'acceptance.png'}")
     return report

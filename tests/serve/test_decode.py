@@ -80,3 +80,26 @@ def test_lossless_with_four_draft_steps_trained_and_untrained(demo_run):
             generated, calls = generated + len(spec.tokens), calls + spec.verify_calls
         lengths[name] = generated / calls
     assert lengths["drafter-untrained"] < 1.3 and lengths["drafter"] > lengths["drafter-untrained"] + 1.0, lengths
+
+
+def test_a_dflash_drafter_on_the_demo_features_is_trained_exported_and_evaluated(demo_run, tmp_path):
+    """train.drafter.family: dflash through the pipeline's train, export and evaluate stages on the demo's own
+    data and features (shared, as a second run_dir would): the reference decoder drafts blocks of 8 losslessly
+    and accepts well above one token per verify step; the offline figure is reported beside it."""
+    import yaml
+
+    from tests.train_runs import run_pipeline
+    run, config_path, _ = demo_run
+    other = tmp_path / "run"
+    other.mkdir()
+    for name in ("data", "features"):
+        (other / name).symlink_to(run / name)
+    config = yaml.safe_load(config_path.read_text()) | {"run_dir": str(other)}
+    out = run_pipeline(config, "--stages", "train,export,evaluate", "--train.drafter.family", "dflash",
+                       "--train.dflash.block_size", "8", path=tmp_path / "dflash.yaml")
+    report = json.loads((other / "report.json").read_text())
+    assert report["family"] == "dflash" and report["lossless"] is True, report
+    assert f"[pipeline] DFlash accept length {report['accept_length']:.2f}" in out
+    assert report["accept_length"] > 1.5 and report["offline_accept_length"] > 1.3, report  # demo: 2.36 / 2.22
+    assert "blocks of 8 (7 drafts)" in report["accept_length_formula"]
+    assert json.loads((other / "drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
