@@ -99,6 +99,19 @@ def acceptance(drafter: Eagle3Drafter, data: FeatureData, batches: list[list[int
                         "decoded_accept_length_by_steps": decoded_accept_lengths(first_answers, steps)}}
 
 
+def heldout_rows(layout: RunLayout, split: str, max_batch_tokens: int = 8192
+                 ) -> tuple[dict, FeatureData, dict[str, list[int]]]:
+    """The split record, the features, and each held-out group's feature rows (`split="eval"`), or every row as
+    group "all" (`split="all"`: training samples included, so not a held-out figure)."""
+    record = heldout_record(layout) if split == "eval" else read_split(layout.split)
+    data = FeatureData(layout.features, heldout_ids(record), max_batch_tokens, seed=0, rank=0, world=1)
+    if split != "eval":
+        return record, data, {"all": list(range(len(data.ds)))}
+    row_of = {s: i for i, s in enumerate(data.sample_ids)}
+    return record, data, {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
+                          for g in record["groups"]}
+
+
 def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", steps: int = 7,
              draft_cost: float = 0.05, max_batch_tokens: int = 8192, prompts: int = 16, max_new: int = 64) -> dict:
     """Offline acceptance of each drafter on each held-out group (`split="eval"`, RUN_DIR/data/split.json) or on
@@ -106,16 +119,10 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     layout = RunLayout(run_dir)
     features = read_manifest(layout.features)
     target = features["meta"]["target_id"]
-    record = heldout_record(layout) if split == "eval" else read_split(layout.split)
-    data = FeatureData(layout.features, heldout_ids(record), max_batch_tokens, seed=0, rank=0, world=1)
+    record, data, group_rows = heldout_rows(layout, split, max_batch_tokens)
     row_of = {s: i for i, s in enumerate(data.sample_ids)}
-    if split == "eval":
-        group_rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
-                      for g in record["groups"]}
-        group_prompts = {g: [row_of[p.id] for p in heldout_prompts(record, g, prompts) if p.id in row_of]
-                         for g in record["groups"]}
-    else:
-        group_rows, group_prompts = {"all": list(range(len(data.ds)))}, {"all": []}
+    group_prompts = {g: [row_of[p.id] for p in heldout_prompts(record, g, prompts) if p.id in row_of]
+                     for g in record["groups"]} if split == "eval" else {"all": []}
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = load_target_info(target)
@@ -289,11 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = evaluate([d for d in a.drafter if d not in blocks], a.run, a.split, a.steps, a.draft_cost,
                       prompts=a.decode or 16)
     if blocks:
-        record = heldout_record(RunLayout(a.run)) if a.split == "eval" else read_split(RunLayout(a.run).split)
-        data = FeatureData(RunLayout(a.run).features, heldout_ids(record), 8192, seed=0, rank=0, world=1)
-        row_of = {s: i for i, s in enumerate(data.sample_ids)}
-        rows = {g: [row_of[r["id"]] for r in record["heldout"] if r["group"] == g and r["id"] in row_of]
-                for g in record["groups"]} if a.split == "eval" else {"all": list(range(len(data.ds)))}
+        _, data, rows = heldout_rows(RunLayout(a.run), a.split)
         report["dflash_drafters"] = {d: dflash_acceptance(d, a.run, rows, data) for d in blocks}
     out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)
