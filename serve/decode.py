@@ -74,6 +74,28 @@ def greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]) -> De
     return DecodeResult(tokens, verify_calls=len(tokens), seconds=time.perf_counter() - t0)
 
 
+def verify(target: Target, cache, drafts: list[int], p: int, result: DecodeResult, max_new: int, eos: set[int]
+           ) -> tuple[list[int], torch.Tensor]:
+    """One target forward over [x, drafts...] at positions p.. (x = the last emitted token, at p): the drafts equal
+    to the target's greedy tokens in a row plus its next token, appended to `result` up to where plain greedy
+    decoding would stop; the rejected drafts leave the target's cache. Returns (accepted drafts + the target's
+    token, the aux states of the forward)."""
+    logits, aux = target(torch.tensor(result.tokens[-1:] + drafts, device=target.model.device), cache, p)
+    greedy_ids = logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == greedy_ids[accepted]:
+        accepted += 1
+    result.verify_calls += 1
+    result.accepted_drafts.append(accepted)
+    for tok in drafts[:accepted] + [greedy_ids[accepted]]:  # stop exactly where plain greedy decoding would
+        if len(result.tokens) >= max_new or result.tokens[-1] in eos:
+            break
+        result.tokens.append(tok)
+    if accepted < len(drafts):
+        cache.crop(accepted - len(drafts))  # negative: drop the rejected drafts (the form every version takes)
+    return drafts[:accepted] + [greedy_ids[accepted]], aux
+
+
 @torch.inference_mode()
 def speculative(target: Target, drafter, prompt: list[int], max_new: int, eos: set[int], steps: int) -> DecodeResult:
     from transformers import DynamicCache
@@ -99,25 +121,11 @@ def speculative(target: Target, drafter, prompt: list[int], max_new: int, eos: s
                 break
             step = drafter(draft.view(1, 1), hidden, pos[-1:].view(1, 1) + j + 1, cache=d_cache)
             hidden, draft = step.hidden, drafter.to_target_ids(step.logits[0, -1].argmax())
-        # verify [x, d1..dS] at positions p..p+S, where x = the last emitted token at p
         p = len(prompt) + len(tokens) - 1
-        logits, aux = target(torch.tensor(tokens[-1:] + drafts, device=dev), t_cache, p)
-        greedy_ids = logits.argmax(-1).tolist()
-        accepted = 0
-        while accepted < steps and drafts[accepted] == greedy_ids[accepted]:
-            accepted += 1
-        new = drafts[:accepted] + [greedy_ids[accepted]]
-        result.verify_calls += 1
-        result.accepted_drafts.append(accepted)
-        for tok in new:  # stop exactly where plain greedy decoding would
-            if len(tokens) >= max_new or tokens[-1] in eos:
-                break
-            tokens.append(tok)
-        if accepted < steps:
-            t_cache.crop(accepted - steps)  # negative: drop the rejected drafts (the form every version takes)
+        new, aux = verify(target, t_cache, drafts, p, result, max_new, eos)
         d_cache.crop(p)  # drop the chain's draft entries; re-extend with the target's states
         extend_ids = torch.tensor(new, device=dev)
-        extend_hidden, extend_start = aux[:accepted + 1], p
+        extend_hidden, extend_start = aux[:len(new)], p
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -142,21 +150,8 @@ def speculative_blocks(target: Target, drafter, prompt: list[int], max_new: int,
         block = torch.tensor(tokens[-1:] + [mask] * (size - 1), device=dev)
         hidden = drafter(embed(block)[None], torch.arange(p, p + size, device=dev)[None], context[None],
                          torch.arange(p, device=dev)[None])
-        drafts = head(hidden[0, 1:]).argmax(-1).tolist()
-        logits, aux = target(torch.tensor(tokens[-1:] + drafts, device=dev), t_cache, p)
-        greedy_ids = logits.argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == greedy_ids[accepted]:
-            accepted += 1
-        result.verify_calls += 1
-        result.accepted_drafts.append(accepted)
-        for tok in drafts[:accepted] + [greedy_ids[accepted]]:  # stop exactly where plain greedy decoding would
-            if len(tokens) >= max_new or tokens[-1] in eos:
-                break
-            tokens.append(tok)
-        if accepted < len(drafts):
-            t_cache.crop(accepted - len(drafts))
-        context = torch.cat([context, aux[:accepted + 1]])  # x and the accepted drafts now have target states
+        new, aux = verify(target, t_cache, head(hidden[0, 1:]).argmax(-1).tolist(), p, result, max_new, eos)
+        context = torch.cat([context, aux[:len(new)]])  # x and the accepted drafts now have target states
     result.seconds = time.perf_counter() - t0
     return result
 

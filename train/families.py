@@ -16,14 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from data.config import EyrieConfig
-from data.target import load_target_info, load_target_tensors
+from data.target import TargetInfo, load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
 
 from .dflash import BlockResult, DFlashDrafter, dflash_config, dflash_objective
 from .drafter import Eagle3Drafter, drafter_config
 from .engine import warm_start, warm_start_config
 from .loader import Batch, FeatureData
-from .metrics import TTTStats
+from .metrics import TTTStats, summed_across_ranks
 from .teacher import Teacher
 from .ttt import ttt_unroll
 
@@ -37,8 +37,7 @@ class Family:
     progress: Callable[[dict], dict]         # the progress bar's fields from reduced scalars
 
 
-def checked_layer_ids(cfg: EyrieConfig, data: FeatureData) -> list[int]:
-    target = load_target_info(cfg.target.path)
+def checked_layer_ids(cfg: EyrieConfig, data: FeatureData, target: TargetInfo) -> list[int]:
     meta = data.meta
     if meta["target_config_hash"] != target.config_hash:
         raise ValueError(f"{cfg.layout.features} was extracted from a target whose config differs from "
@@ -51,7 +50,7 @@ def checked_layer_ids(cfg: EyrieConfig, data: FeatureData) -> list[int]:
 
 def eagle3(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: torch.dtype) -> Family:
     target = load_target_info(cfg.target.path)
-    ids = checked_layer_ids(cfg, data)
+    ids = checked_layer_ids(cfg, data, target)
     d2t, t2d = load_draft_vocab(cfg.layout.draft_vocab)
     config = drafter_config(target, cfg.train.drafter, len(d2t), ids)
     if cfg.train.warm_start:  # the drafter continues as it was trained: its RoPE and norm epsilon
@@ -95,11 +94,7 @@ class BlockStats:
             [float(r.loss.detach()), float(r.accepted), float(r.blocks), 1.0, tokens, padded], dtype=torch.float64)])
 
     def reduce(self) -> dict:
-        sums = self.sums.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            sums = sums.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(sums)
-            sums = sums.cpu()
+        sums = summed_across_ranks(self.sums)
         k = self.block_size
         loss, accepted, blocks, micro_batches, tokens, padded = (float(x) for x in sums[2 * k:])
         acc = sums[:k] / sums[k:2 * k].clamp(min=1)
@@ -130,7 +125,7 @@ def mask_token_id(cfg: EyrieConfig, vocab_size: int) -> int:
 
 def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: torch.dtype) -> Family:
     target = load_target_info(cfg.target.path)
-    ids, dc = checked_layer_ids(cfg, data), cfg.train.dflash
+    ids, dc = checked_layer_ids(cfg, data, target), cfg.train.dflash
     if cfg.train.warm_start:
         raise ValueError("train.warm_start: DFlash drafters start from scratch for now")
     tensors = load_target_tensors(cfg.target.path, ["embed", "lm_head"])

@@ -13,6 +13,16 @@ from .loader import Batch
 from .ttt import TTTResult, accept_length, ttt_unroll
 
 
+def summed_across_ranks(sums: torch.Tensor) -> torch.Tensor:
+    """A copy of `sums` added up over every rank (the statistics' accumulators)."""
+    sums = sums.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sums = sums.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    return sums
+
+
 class TTTStats:
     """Sums of TTT results over micro-batches; `reduce()` adds them up across ranks."""
 
@@ -27,12 +37,7 @@ class TTTStats:
                                 torch.tensor([float(r.chains), 1.0, tokens, padded], dtype=torch.float64)])
 
     def reduce(self) -> dict:
-        sums = self.sums.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            sums = sums.to(device)
-            dist.all_reduce(sums)
-            sums = sums.cpu()
+        sums = summed_across_ranks(self.sums)
         k = self.steps
         chains, micro_batches, tokens, padded = (float(x) for x in sums[4 * k:])
         step_loss = sums[:k] / max(micro_batches, 1.0)  # mean over micro-batches (all ranks)
