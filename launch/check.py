@@ -42,7 +42,19 @@ def problems(cfg: EyrieConfig, deepspeed_json: str | None = None) -> list[str]:
         found.append(f"train.warm_start: {cfg.train.warm_start} is not an exported drafter directory (no config.json)")
     if deepspeed_json:
         found += deepspeed_problems(cfg, deepspeed_json)
-    return found + [p for p in (launch_problem(cfg, "extract"), launch_problem(cfg, "train")) if p]
+    return found + [p for stage in ("extract", "train") for p in (launch_problem(cfg, stage), rank_problem(cfg, stage))
+                    if p]
+
+
+def rank_problem(cfg: EyrieConfig, stage: str) -> str | None:
+    """On GPUs rank r takes cuda:r, so a stage cannot start more ranks per node than this machine shows GPUs (on a
+    CPU any number of gloo ranks runs)."""
+    import torch
+    ranks, gpus = getattr(cfg, stage).nproc_per_node, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < ranks:
+        return (f"{stage}.nproc_per_node is {ranks} but this machine shows {gpus} GPU(s): each rank takes one GPU; "
+                f"set --{stage}.nproc_per_node {gpus} (or fewer)")
+    return None
 
 
 def launch_problem(cfg: EyrieConfig, stage: str) -> str | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launch.demo import demo_ranks
 from launch.pipeline import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,8 @@ def demo_config(name: str, assets: Path, run_dir: Path) -> dict:
     config["target"]["path"] = str(assets / "target")
     config["data"]["inputs"] = [str(assets / "conversations.jsonl")]
     config["data"] |= {"heldout_fraction": 0.1}
+    for stage in ("extract", "train"):  # two gloo ranks on a CPU; one per GPU on a machine with fewer GPUs
+        config[stage]["nproc_per_node"] = demo_ranks()
     return config
 
 

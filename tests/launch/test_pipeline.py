@@ -216,3 +216,31 @@ def test_regenerate_is_its_own_stage_when_enabled():
     assert stage_commands(on, "regenerate", "run.yaml", ["--seed", "1"]) == [
         [sys.executable, "-m", "data.regenerate", "--config", "run.yaml", "--seed", "1"]]
     assert stage_commands(config_with(), "regenerate", "run.yaml", []) == []  # disabled: nothing to run
+
+
+def test_more_ranks_than_gpus_is_refused_before_a_stage_starts(monkeypatch):
+    """A second rank on a one-GPU machine would die in the stage with 'invalid device ordinal'; the check says
+    which key to lower. On a CPU the same config runs (gloo ranks)."""
+    import torch
+
+    from launch.check import rank_problem
+    cfg = config_with(extract={"nproc_per_node": 2}, train={"nproc_per_node": 1})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_problem(cfg, "extract") == ("extract.nproc_per_node is 2 but this machine shows 1 GPU(s): each rank "
+                                            "takes one GPU; set --extract.nproc_per_node 1 (or fewer)")
+    assert rank_problem(cfg, "train") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_problem(cfg, "extract") is None
+
+
+def test_the_demo_takes_one_rank_per_gpu_where_it_has_fewer_than_two(monkeypatch):
+    import torch
+
+    from launch.demo import rank_overrides
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_overrides([]) == ["--extract.nproc_per_node", "1", "--train.nproc_per_node", "1"]
+    assert rank_overrides(["--train.nproc_per_node=1"]) == ["--extract.nproc_per_node", "1"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_overrides([]) == ["--extract.nproc_per_node", "2", "--train.nproc_per_node", "2"]
