@@ -99,10 +99,15 @@ def throughput_lines(record: dict) -> list[str]:
         out.append(f"| {c} | {fmt(spread(v['baseline']))} | {fmt(spread(v['eagle3']))} | "
                    f"{speedup(v['eagle3'], v['baseline'])} |")
     costs = "step_costs" in record.get("invalid", {})
-    out += ["", "Plain decode step and speculative cycle: " + (
-        "not measured by this run (see above)." if costs else
-        f"step {fmt(r['step_costs']['plain_step_ms'], 3)} ms, cycle {fmt(r['step_costs']['cycle_ms'], 3)} ms."), ""]
-    return out
+    if costs:
+        return out + ["", "Plain decode step and speculative cycle: not measured by this run (see above).", ""]
+    step, cycle = r["step_costs"]["plain_step_ms"], r["step_costs"]["cycle_ms"]
+    even = ratio(cycle, step)  # a cycle pays for itself once it emits as many tokens as the steps it costs
+    accepts = ", ".join(f"{g} {a['sglang']:.3f}" for g, a in r["accept_length"].items())
+    return out + ["", f"Plain decode step and speculative cycle, each timed on a request streamed alone "
+                      f"({len(cycle['repeats'])} repeats): step {fmt(step, 3)} ms, cycle {fmt(cycle, 3)} ms; a cycle "
+                      f"costs {fmt(even, 2)} plain steps, the break-even accept length (accept length above: {accepts}).",
+                  ""]
 
 
 def render_smoke(record: dict) -> list[str]:
