@@ -1,6 +1,6 @@
-"""Load a drafter directory through SGLang's own loader, on CPU, and prove every tensor landed.
+"""Load a drafter (or target) directory through SGLang's own loader, on CPU, and prove every tensor landed.
 
-    python -m serve.sglang_check DRAFTER_DIR [DRAFTER_DIR ...]
+    python -m serve.sglang_check DIR [DIR ...]
         (prints a JSON report per directory; exit 1 when any check fails)
 
 `ModelConfig.from_server_args(..., is_draft_model=True)` + `get_model` resolve the architecture the way the
@@ -82,6 +82,7 @@ def check(directory: str | Path) -> dict:
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.server_args import ServerArgs
 
     directory = str(Path(directory).resolve())
@@ -103,7 +104,10 @@ def check(directory: str | Path) -> dict:
             file_names |= set(fh.keys())
     consumed: set[str] = set()
     drafter_classes = (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM, DFlashDraftModel)
-    originals = {cls: cls.load_weights for cls in drafter_classes}
+    architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
+    is_drafter = any(a in {c.__name__ for c in drafter_classes} for a in architectures)
+    checked_classes = drafter_classes if is_drafter else (ModelRegistry.resolve_model_cls(architectures)[0],)
+    originals = {cls: cls.load_weights for cls in checked_classes}
 
     def checked(original):
         def load_weights(self, weights):
@@ -121,7 +125,7 @@ def check(directory: str | Path) -> dict:
     for cls, original in originals.items():
         cls.load_weights = checked(original)
     try:
-        model_config = ModelConfig.from_server_args(args, model_path=directory, is_draft_model=True)
+        model_config = ModelConfig.from_server_args(args, model_path=directory, is_draft_model=is_drafter)
         model = get_model(model_config=model_config, load_config=LoadConfig(load_format="auto"),
                           device_config=DeviceConfig(device="cpu"))
     finally:
@@ -136,6 +140,17 @@ def check(directory: str | Path) -> dict:
     problems += [f"tensor {n} in the file was never read" for n in sorted(file_names - consumed)]
     report = {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
               "tensors_in_file": len(file_names)}
+    if not is_drafter:  # a target (a widened one, say): its attention as SGLang built it, against the config
+        config = json.loads((Path(directory) / "config.json").read_text())
+        attention = model.model.layers[0].self_attn
+        built = {"layers": len(model.model.layers), "heads": attention.num_heads, "kv_heads": attention.num_kv_heads,
+                 "head_dim": attention.head_dim}
+        written = {"layers": config["num_hidden_layers"], "heads": config["num_attention_heads"],
+                   "kv_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
+                   "head_dim": config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])}
+        problems += [f"config says {k}={written[k]}, SGLang built the target with {k}={built[k]}"
+                     for k in written if written[k] != built[k]]
+        return report | {"target": built, "problems": problems, "ok": not problems}
     if isinstance(model, DFlashDraftModel):  # no draft vocab, no EAGLE options: the block and its context
         config = json.loads((Path(directory) / "config.json").read_text())
         built = {"block_size": model.block_size, "context_features": model.num_context_features}
