@@ -59,6 +59,7 @@ class ShardMeta:
     kind: str = "tokens"                  # "tokens" (prepared samples) or "features" (with hidden states)
     target_id: str = ""                   # target model path or name
     target_config_hash: str = ""          # hash of the target's config.json
+    target_quantization: str = ""         # the target's quantized weights, described ("" = none; TargetInfo)
     aux_layer_ids: list[int] = field(default_factory=list)  # SGLang convention: output of decoder layer i
     hidden_size: int = 0
     dtype: str = "bfloat16"               # of final_hidden (and aux_hidden when aux_encoding == "raw")

@@ -26,6 +26,7 @@ class TargetInfo:
     max_position_embeddings: int
     text_config: dict      # the language model's config (a multimodal wrapper's `text_config`)
     dtype: str = "float32"  # the declared weight dtype; SGLang's `--dtype auto` reads it (absent = float32)
+    quantization: str = ""  # quantized weights, described (quantization_label); "" = all weights in `dtype`
 
     @property
     def is_mla(self) -> bool:
@@ -146,6 +147,7 @@ def load_target_info(path: str | Path) -> TargetInfo:
             max_position_embeddings=int(text.get("max_position_embeddings", 0)),
             text_config=text,
             dtype=str(declared_dtype(text) or declared_dtype(config) or "float32"),
+            quantization=quantization_label(config.get("quantization_config") or text.get("quantization_config")),
         )
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing {e.args[0]!r} (looked in text_config too)") from None
@@ -172,12 +174,46 @@ class AuxCapture:
         return aux
 
 
+def quantization_label(qc: dict | None) -> str:
+    """What a config's `quantization_config` quantizes, in words ("" for none): for compressed-tensors, each
+    group's weight bits, type and group size and the format, e.g. "compressed-tensors pack-quantized: W4A16 int
+    group 32 on Linear (ignoring lm_head, re:.*self_attn.*)"; other methods by name."""
+    if not qc:
+        return ""
+    method = qc.get("quant_method", "?")
+    if method != "compressed-tensors":
+        return f"{method} ({', '.join(f'{k}={v}' for k, v in sorted(qc.items()) if k != 'quant_method')})"
+    groups = []
+    for group in (qc.get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        bits = f"W{w.get('num_bits', '?')}A{a.get('num_bits', '?') if a else 16}"
+        size = f" group {w['group_size']}" if w.get("group_size") else ""
+        groups.append(f"{bits} {w.get('type', '?')}{size} on {', '.join(group.get('targets') or ['?'])}")
+    ignored = f" (ignoring {', '.join(qc['ignore'])})" if qc.get("ignore") else ""
+    return f"compressed-tensors {qc.get('format', '?')}: {'; '.join(groups)}{ignored}"
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
                    trust_remote_code: bool = False):
     """The target as a transformers model, in eval mode on `device` (extraction, local regeneration, the
-    reference decoder)."""
+    reference decoder). A compressed-tensors target is decompressed on load (its quantized weights become their
+    dequantized values in `dtype`: what the quantized model computes, up to kernel rounding)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    quantization = load_target_info(path).quantization
+    if quantization.startswith("compressed-tensors"):
+        import importlib.util
+        if importlib.util.find_spec("compressed_tensors") is None:
+            raise RuntimeError(f"{path} is quantized ({quantization}): transformers needs the compressed-tensors "
+                               "package to decompress it (pip install compressed-tensors), or extract with "
+                               "extract.backend: sglang, which serves it with its own INT4 kernels")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        if not quantization:
+            raise
+        raise RuntimeError(f"{path} is quantized ({quantization}) and transformers could not load it "
+                           f"({type(e).__name__}: {e}); extract with extract.backend: sglang, which serves it "
+                           "with its own kernels") from e
     return model.to(device).eval()
 
 
@@ -214,6 +250,13 @@ def load_target_tensors(target: str | Path, wanted: list[str]) -> dict[str, torc
         hits = [k for k in files if PATTERNS[what].match(k) and ".layers." not in k and "vision" not in k]
         if len(hits) > 1:
             raise ValueError(f"{target}: several tensors could be the {what}: {hits}")
+        if not hits:  # a quantized copy (weight_packed / weight_scale) is no full-precision tensor to read
+            quantized = [k for k in files if PATTERNS[what].match(k.rsplit(".", 1)[0] + ".weight")
+                         and not k.endswith(".weight") and ".layers." not in k]
+            if quantized:
+                raise ValueError(f"{target}: the {what} is quantized ({', '.join(sorted(quantized))}); the teacher "
+                                 f"and the drafter read it in full precision: keep it out of the quantized "
+                                 f"modules (compressed-tensors `ignore`)")
         if hits:
             with safetensors_reader(files[hits[0]], "the target's publisher or conversion (Eyrie only reads it)") \
                     as fh:

@@ -185,3 +185,36 @@ def load_drafter(directory: str | Path, target: str | Path, device: torch.device
         tensors["embed_tokens.weight"] = load_target_tensors(target, ["embed"])["embed"]
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     return model.to(device, dtype).eval()
+
+
+TRAINED_ON = "trained_on.json"  # beside config.json: which target's features the drafter learned (SGLang ignores it)
+
+
+def write_trained_on(out: str | Path, features_meta: dict) -> None:
+    """Record the target the drafter's features came from, so a drafter served on another copy of the target (an
+    INT4 deployment of a bf16 original, say) is said to be, not silently trusted."""
+    from data.files import atomic_write_json
+    atomic_write_json(Path(out) / TRAINED_ON, {
+        "target": features_meta.get("target_id"), "target_config_hash": features_meta.get("target_config_hash"),
+        "target_quantization": features_meta.get("target_quantization", ""),
+        "backend": (features_meta.get("extra") or {}).get("backend")})
+
+
+def target_match(drafter: str | Path, target: str | Path) -> dict:
+    """The drafter's training target against the one it is evaluated or served on: {trained_on, served_on,
+    same_target, note}. A drafter without the record (imported, or exported before it existed) is 'unknown'."""
+    info = load_target_info(target)
+    served = {"target": str(target), "target_config_hash": info.config_hash, "target_quantization": info.quantization}
+    trained = read_json(Path(drafter) / TRAINED_ON)
+    if trained is None:
+        return {"trained_on": None, "served_on": served, "same_target": None,
+                "note": f"{drafter} does not record which target's features it was trained on"}
+    same = trained["target_config_hash"] == info.config_hash
+    note = "" if same else (
+        f"trained on features of {trained['target']} "
+        f"({trained['target_quantization'] or 'full precision'}), served on {target} "
+        f"({info.quantization or 'full precision'})" + (
+            ": a quantized target's states differ from its original's, so accept lengths measured here are those "
+            "of a drafter trained on another model's states" if trained["target_quantization"] != info.quantization
+            else ": another config.json than the one the features came from"))
+    return {"trained_on": trained, "served_on": served, "same_target": same, "note": note}

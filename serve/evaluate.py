@@ -38,7 +38,7 @@ from train.loader import FeatureData
 from train.metrics import score
 from train.teacher import Teacher
 
-from .drafter_dir import DrafterDirError, load_drafter
+from .drafter_dir import DrafterDirError, load_drafter, target_match
 
 
 def answer_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
@@ -140,7 +140,11 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
                                               "first token, each verify emitting the drafts its chain got right + 1",
                   "prompts": f"the first {prompts} held-out prompts of each group, first answers cut at {max_new} "
                              "tokens: the prompts serve.decode and serve.smoke decode"}, "drafters": {}}
+    report["target_match"] = {}
     for path in drafters:
+        report["target_match"][str(path)] = match = target_match(path, target)
+        if match["same_target"] is False:
+            print(f"[evaluate] note: {path}: {match['note']}", flush=True)
         model = load_drafter(path, target, device, dtype)
         ids = model.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
         if list(ids) != list(features["meta"]["aux_layer_ids"]):

@@ -32,7 +32,7 @@ from train.drafters import arch_of
 
 from . import dflash_dir
 from .drafter_dir import (DrafterDirError, expected_shapes, read_config, read_tensors, sglang_config, validate,
-                          write_whole)
+                          write_trained_on, write_whole)
 
 
 def resolve_tag(checkpoints: Path, tag: str) -> str:
@@ -116,6 +116,7 @@ def export(run_dir: str | Path, tag: str, out: str | Path, check_with_sglang: bo
     validate(config, tensors, str(checkpoints / tag), layer_ids=features["meta"]["aux_layer_ids"])
     summary = json.loads(layout.train_summary.read_text())
     write_drafter_dir(out, config, tensors, model_card(config, summary, tag, features))
+    write_trained_on(out, features["meta"])
     report = {"drafter": str(out), "tag": tag, "tensors": len(tensors)}
     if check_with_sglang:
         report["sglang_check"] = maybe_check_with_sglang(out)
@@ -138,6 +139,7 @@ Serve: `python -m sglang.launch_server --model-path TARGET --speculative-algorit
 --speculative-draft-model-path THIS_DIR --speculative-num-draft-tokens {dc['block_size']}`
 """
     dflash_dir.write(out, config, weights, card)
+    write_trained_on(out, read_manifest(layout.features)["meta"])
     report = {"drafter": str(out), "tag": tag, "tensors": len(weights), "family": "dflash"}
     if check_with_sglang:
         report["sglang_check"] = maybe_check_with_sglang(out, "dflash")

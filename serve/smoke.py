@@ -44,6 +44,7 @@ from data.layout import RunLayout
 from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
+from .drafter_dir import target_match
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
 from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
@@ -351,7 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
               "prompts": {g: len(p) for g, p in groups.items()}, "max_new_tokens": a.max_new_tokens,
               "timing": {"repeats": a.repeats, "pass_seconds": a.pass_seconds,
                          "max_new_tokens": a.timing_max_new_tokens, "prompts": primary_group(groups)},
-              "environment": environment(), "gpu_memory_before_mib": gpu_memory_used_mib()}
+              "environment": environment(), "gpu_memory_before_mib": gpu_memory_used_mib(),
+              "target_match": target_match(a.drafter, a.target)}
+    if report["target_match"]["same_target"] is False:
+        print(f"[smoke] note: {a.drafter}: {report['target_match']['note']}", flush=True)
     report = compare(report | run_servers(a, groups, out), a)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print_report(report, a)
