@@ -1,8 +1,8 @@
 """The SGLang serving smoke test: the target served plain, then with the drafter, on the same prompts.
 
     python -m serve.smoke --target TARGET --drafter DRAFTER_DIR [--tp 8] [--prompts FILE | --run RUN_DIR]
-                          [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--repeats 3] [--pass-seconds 10]
-                          [--server-arg=--attention-backend=triton ...]
+                          [--out DIR] [--concurrency 1,8,64] [--steps 3[,5]] [--trees 3/4/8,...] [--sweep]
+                          [--repeats 3] [--pass-seconds 10] [--server-arg=--attention-backend=triton ...]
 
 Checks first that SGLang will serve the drafter and the target in one dtype (each model's `--dtype auto` comes from
 its own config.json). Starts `python -m sglang.launch_server` on 127.0.0.1 for the baseline, then once per chain
@@ -22,7 +22,11 @@ timeout (large targets take minutes). On each server, at temperature 0:
 Servers are stopped by process group; the port and the GPU memory are checked released. Report keys: `eagle3` for
 the first chain length, `eagle3_stepsN` for the others. Server logs, each server's measurements (server-NAME.json,
 reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next
-server) and report.json go to --out. `--deterministic-parity` adds a plain and an EAGLE3 server with SGLang's
+server) and report.json go to --out. `--trees S/K/N,...` adds trees (top-k K > 1, N draft tokens; keys
+`eagle3_stepsS_topkK_tokensN`); `--sweep` measures chains of 1-7 steps and serve/sweep.py's default trees, and with
+more than one configuration the report recommends, per concurrency, the fastest one measurably faster than the
+plain server as its exact flags, or the plain server (`recommended`); a configuration whose server fails is
+reported with its error, not the end of the sweep. `--deterministic-parity` adds a plain and an EAGLE3 server with SGLang's
 batch-invariant kernels, single-stream: parity there, where the default kernels let a bf16 near-tie differ between
 a 1-token decode and a k-token verify, tells such ties from a bug.
 
@@ -45,6 +49,7 @@ from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .drafter_dir import target_match
+from .sweep import DEFAULT_TREES, Spec, print_recommendations, recommend, spec_names
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
 from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
@@ -175,7 +180,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed passes per concurrency, and streamed step timings")
     p.add_argument("--pass-seconds", type=float, default=10.0, help="each timed pass runs at least this long")
     p.add_argument("--timing-max-new-tokens", type=int, default=256, help="tokens per request when timing")
-    p.add_argument("--steps", default="3", help="chain lengths, comma-separated; the first is compared with the run")
+    p.add_argument("--steps", default=None, help="chain lengths, comma-separated; the first is compared with the run "
+                   "(default 3; with --sweep 3,1,2,4,5,6,7)")
+    p.add_argument("--trees", default=None, help="trees as STEPS/TOPK/DRAFT_TOKENS, comma-separated (default none; "
+                   f"with --sweep {','.join(DEFAULT_TREES)})")
+    p.add_argument("--sweep", action="store_true", help="measure every chain length 1-7 and the default trees, and "
+                   "recommend the fastest configuration per concurrency (serve/sweep.py)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
     p.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeat)")
@@ -184,8 +194,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "single-stream, and report their parity: a bf16 near-tie or a speculation bug")
     p.add_argument("--out", default="smoke")
     a = p.parse_args(argv)
-    a.steps = [int(n) for n in a.steps.split(",")]
+    a.steps = [int(n) for n in (a.steps or ("3,1,2,4,5,6,7" if a.sweep else "3")).split(",")]
+    trees = a.trees if a.trees is not None else ",".join(DEFAULT_TREES) if a.sweep else ""
+    a.configs = [Spec(n, 1, n + 1) for n in a.steps] + [Spec(*map(int, t.split("/"))) for t in trees.split(",") if t]
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    try:
+        spec_names(a.configs)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -215,22 +231,16 @@ def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]
     common = ["--model-path", a.target, "--tp", str(a.tp), "--max-running-requests", str(max(a.concurrency) * 2),
               *decode_graph_args(a.concurrency), *a.server_arg]  # the user's own graph sizes, if any, come last: they win
 
-    def eagle(n: int) -> list[str]:
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", a.drafter,
-                "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(n + 1)] + \
+    def eagle(spec: Spec) -> list[str]:
+        return spec.flags(a.drafter) + \
             (["--speculative-draft-attention-backend", "triton"] if mla else [])  # the Llama drafter: not MLA's
     servers = [("baseline", common, a.concurrency)] + \
-        [(name, common + eagle(n), a.concurrency) for name, n in zip(spec_names(a.steps), a.steps)]
+        [(name, common + eagle(spec), a.concurrency) for name, spec in zip(spec_names(a.configs), a.configs)]
     if a.deterministic_parity:  # batch-invariant kernels: a 4-token verify computes what a 1-token decode does
         deterministic = ["--enable-deterministic-inference"]
         servers += [("baseline_deterministic", common + deterministic, []),  # outputs only, not timed
-                    ("eagle3_deterministic", common + eagle(a.steps[0]) + deterministic, [])]
+                    ("eagle3_deterministic", common + eagle(a.configs[0]) + deterministic, [])]
     return servers
-
-
-def spec_names(steps: list[int]) -> list[str]:
-    return ["eagle3"] + [f"eagle3_steps{n}" for n in steps[1:]]
 
 
 def run_servers(a: argparse.Namespace, groups: dict[str, list[list[int]]], out: Path) -> dict:
@@ -250,10 +260,13 @@ def run_servers(a: argparse.Namespace, groups: dict[str, list[list[int]]], out: 
         try:
             result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
         except (RuntimeError, TimeoutError) as e:
-            if not name.endswith("_deterministic"):
+            if name in ("baseline", "eagle3"):
                 raise
-            # an extra check, not the measurement: the report keeps what the other servers measured
-            report.setdefault("deterministic", {"error": f"{name}: {str(e)[-2000:]}"})
+            # an extra configuration or check: the report keeps what the other servers measured, and why not this
+            if name.endswith("_deterministic"):
+                report.setdefault("deterministic", {"error": f"{name}: {str(e)[-2000:]}"})
+            else:
+                report[name] = {"error": str(e)[-2000:]}
             continue
         report |= {f"{name}_ready_s": result["ready_s"], name: result["measured"],
                    f"{name}_stopped": result["stopped"], f"{name}_command": result["command"]}
@@ -267,24 +280,25 @@ def parity(run: dict, baseline: dict) -> dict[str, float]:
     return {g: sum(s) / len(s) for g, s in same.items()} | {"all": sum(every) / len(every)}
 
 
-def chain(steps: int) -> str:
-    return f"SGLang EAGLE3, {steps} steps / top-k 1 / {steps + 1} draft tokens"
-
-
 def compare(report: dict, a: argparse.Namespace) -> dict:
-    """Parity with the plain server, speedups and verdicts per concurrency, and the cycle costs, per chain length."""
+    """Parity with the plain server, speedups and verdicts per concurrency, and the cycle costs, per configuration;
+    with several configurations, the fastest per concurrency (serve/sweep.py)."""
     base = report["baseline"]
-    for name, n in zip(spec_names(a.steps), a.steps):
+    for name, spec in zip(spec_names(a.configs), a.configs):
         measured = report[name]
+        if "error" in measured:
+            continue
         timed = primary_group(measured["groups"])
         speedup = {c: ratio(measured["tokens_per_s"][c], base["tokens_per_s"][c]) for c in measured["tokens_per_s"]}
-        measured |= {"chain": chain(n), "parity": parity(measured, base),
+        measured |= {"chain": spec.label(), "flags": spec.flags(a.drafter), "parity": parity(measured, base),
                      "accept_length_by_group": {g: r["accept_length"] for g, r in measured["groups"].items()},
                      "speedup": speedup, "verdict": {c: verdict(r) for c, r in speedup.items()},
                      "costs": cycle_costs(base["step_ms"], measured["step_ms"],
-                                          measured["groups"][timed]["accept_length"], n)}
+                                          measured["groups"][timed]["accept_length"], spec.tokens - 1)}
     report["parity"] = report["eagle3"]["parity"]["all"]
     report["verdict"] = report["eagle3"]["verdict"]
+    if len(a.configs) > 1:
+        report["recommended"] = recommend(report, spec_names(a.configs), a.concurrency)
     if a.deterministic_parity and "deterministic" not in report:
         det = report["eagle3_deterministic"]
         report["deterministic"] = {
@@ -303,8 +317,11 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
     base = report["baseline"]
     print(f"timing: {a.repeats} passes of >= {a.pass_seconds:g} s per concurrency, {a.timing_max_new_tokens} new "
           f"tokens a request; {report['speedup_formula']}")
-    for name, n in zip(spec_names(a.steps), a.steps):
+    for name, spec in zip(spec_names(a.configs), a.configs):
         m = report[name]
+        if "error" in m:
+            print(f"{spec.label()}: not measured, the server failed: {m['error'][-300:]}")
+            continue
         print(f"{m['chain']}: parity with the plain server " + ", ".join(f"{g} {v:.0%}" for g, v in m["parity"].items())
               + "; accept length " + ", ".join(f"{g} {v:.3f} ({m['groups'][g]['prompts']} prompts, "
                                                 f"{m['groups'][g]['completion_tokens']} tokens)"
@@ -317,16 +334,18 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
         be = costs["break_even_accept_length"]
         print(f"  single request: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
               f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} requests) → break-even "
-              f"accept length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {n + 1}; limited by "
+              f"accept length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {spec.tokens}; limited by "
               f"{costs['limited_by']}")
     if "error" in report.get("deterministic", {}):
         print(f"--enable-deterministic-inference: no parity check, {report['deterministic']['error'][:300]}")
     elif "deterministic" in report:
         det = report["deterministic"]
-        print(f"--enable-deterministic-inference, {chain(a.steps[0])}: parity with its plain server "
+        print(f"--enable-deterministic-inference, {a.configs[0].label()}: parity with its plain server "
               f"{det['parity']:.0%}; its plain output = the default plain output on "
               f"{det['baseline_parity_with_default_kernels']:.0%}")
     print_reference(report.get("reference", {}))
+    if "recommended" in report:
+        print_recommendations(report["recommended"])
 
 
 def print_reference(reference: dict) -> None:

@@ -15,24 +15,12 @@
 # Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source .whl/gpu-env.sh
-source .sgl/sglang-env.sh
-export PYTHONPATH=$PWD:$PYTHONPATH
-export TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor  # beside SGLang's JIT caches (Triton's binaries: ../triton)
-# Inductor's compiled drafter graphs from an earlier run (collect brings them back as inductor.tar.xz, to be
-# copied to .sgl/): the training and evaluation compiles (~100 s of the train stage on a fresh machine) hit them
-if [ -f .sgl/inductor.tar.xz ] && [ ! -f /tmp/sgl-jit/inductor/.restored ]; then
-  mkdir -p /tmp/sgl-jit && tar -C /tmp/sgl-jit -xJf .sgl/inductor.tar.xz && touch /tmp/sgl-jit/inductor/.restored
-fi
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET=${MISSION_SECONDS:-570}
+NAME=mission
+source tests/benchmarks/device_env.sh
 RUN=runs/mission
 ASSETS=$RUN/assets
 OUT_DIR=${OUT:-/tmp/mission-out}/mission
-left() { echo $((BUDGET - SECONDS)); }
-within() { local s=$(($(left) - $1)); echo $((s > 1 ? s : 1)); }  # a timeout that keeps $1 s in hand (0 would mean none)
-log() { echo "[mission $(date +%T) +${SECONDS}s] $*"; }
-
 collect() {  # at most 8 files come back from $OUT: the reports as they are, the rest in one archive
   mkdir -p "$OUT_DIR"
   cp -f $RUN/report.json $RUN/evaluate/evaluate.json "$OUT_DIR/" 2>/dev/null
@@ -59,11 +47,6 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
   log "results in $OUT_DIR"
 }
 trap collect EXIT
-
-# a previous command cut off mid-stage may have left servers or ranks behind
-pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"
-pkill -f -- "-m extract --config"; pkill -f -- "-m data.regenerate"; sleep 1  # torchrun's orphaned workers
-nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 if [ ! -f $ASSETS/target/training.json ]; then
   log "target: training (resumes from its last save)"

@@ -2,6 +2,7 @@
 included, and SGLang's own loader builds the wider model from the files."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,18 @@ def test_shapes_that_cannot_hold_the_source_are_refused_with_the_reason():
     assert shape_problems(src, Shape(32, 8, 4, 2, 16, 192), {"model_type": "qwen2", "attention_bias": True}) == [
         "hidden 32 < the source's 64", "model_type 'qwen2': only Llama targets are widened",
         "attention or MLP biases: not widened"]
+
+
+def test_answers_are_compared_per_conversation(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from compare_answers import compare
+
+    def rows(answers):
+        return "".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "q"},
+                                                              {"role": "assistant", "content": a}]}) + "\n"
+                       for i, a in enumerate(answers))
+    (tmp_path / "a.jsonl").write_text(rows(["x", "y", "z", "w"]))
+    (tmp_path / "b.jsonl").write_text(rows(["x", "y", "Z"]))
+    result = compare(tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    assert (result["conversations"], result["identical_answers"], result["only_in_a"]) == (3, 2, 1)
+    assert result["identical_fraction"] == pytest.approx(2 / 3) and result["first_differing"][0]["b"] == "Z"

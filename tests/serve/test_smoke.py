@@ -125,6 +125,53 @@ def test_the_report_sets_each_servers_measurements_beside_the_baseline(tiny_targ
     assert report["verdict"]["1"].startswith("faster: 1.20x")
 
 
+def test_a_sweep_recommends_per_concurrency_only_what_is_measurably_faster(tiny_target, tmp_path, monkeypatch):
+    """--sweep: chains 1-7 and the default trees (stand-in measurements); per concurrency the fastest configuration
+    whose whole range is above plain, the plain server where none is, and a tree whose server fails reported."""
+    import serve.smoke
+    from serve.sweep import DEFAULT_TREES
+    plain = {"1": 500.0, "8": 2000.0, "64": 5000.0}
+    measured = {"baseline": plain, "eagle3": {"1": 600.0, "8": 2100.0, "64": 4000.0},
+                "eagle3_steps1": {"1": 550.0, "8": 2300.0, "64": 5150.0},  # 64: 1.03x, a range straddling 1.0
+                "eagle3_steps3_topk4_tokens8": {"1": 700.0, "8": 1900.0, "64": 3000.0}}
+
+    def canned(path, key, serve_and_measure):
+        name = path.stem.removeprefix("server-")
+        if name == "eagle3_steps4_topk8_tokens16":
+            raise RuntimeError("server exited with 1: out of memory for the tree's KV cache")
+        rates = measured.get(name, {c: v * 0.9 for c, v in plain.items()})  # the other chains: slower
+        return {"command": "launch_server", "ready_s": 30.0, "stopped": {"port_free": True},
+                "measured": canned_measurement(rates, None if name == "baseline" else 2.5, ["a", "b"], 2.0)}
+    monkeypatch.setattr(serve.smoke, "measured_once", canned)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(drafter), "--limit", "2",
+                               "--concurrency", "1,8,64", "--sweep", "--out", str(tmp_path / "out")])
+    assert {f"eagle3_steps{n}" for n in (1, 2, 4, 5, 6, 7)} <= set(report) and len(DEFAULT_TREES) == 3
+    assert report["eagle3_steps4_topk8_tokens16"] == {"error": "server exited with 1: out of memory for the tree's "
+                                                               "KV cache"}
+    rec = report["recommended"]["by_concurrency"]
+    assert rec["1"]["config"] == "eagle3_steps3_topk4_tokens8" and rec["1"]["speedup"]["median"] == pytest.approx(1.4)
+    assert rec["1"]["flags"] == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter),
+                                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                                 "--speculative-num-draft-tokens", "8"]
+    assert rec["8"]["config"] == "eagle3_steps1" and rec["8"]["speedup"]["min"] > 1.0
+    assert rec["64"]["config"] is None and "closest: eagle3_steps1, 1.03x" in rec["64"]["why"]
+    assert report["recommended"]["pays_up_to_concurrency"] == 8
+    assert report["recommended"]["does_not_pay_from_concurrency"] == 64
+
+
+def test_trees_sglang_cannot_build_are_refused_when_parsed(capsys):
+    from serve.smoke import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--drafter", "d", "--trees", "3/4/20"])
+    assert "a tree of 3 steps x top-k 4 holds 2 to 13 draft tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--drafter", "d", "--trees", "3/1/5"])
+    assert parse_args(["--target", "t", "--drafter", "d", "--trees", "3/4/8"]).configs[-1] == (3, 4, 8)
+
+
 def test_mixed_served_dtypes_fail_before_any_server_starts(tiny_target, tmp_path):
     from serve.smoke import check_served_dtypes
     drafter = tmp_path / "drafter"

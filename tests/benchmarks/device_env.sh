@@ -1,0 +1,21 @@
+# Sourced by the GPU-machine scripts (mission.sh, mission_8b.sh): the environment (DeepSpeed and SGLang from the
+# carried .whl/ and .sgl/, Inductor's cache restored), the time budget helpers, and what a previous command cut off
+# mid-stage left running. Expects BUDGET (seconds this command may run) and NAME (the log prefix).
+source .whl/gpu-env.sh
+source .sgl/sglang-env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH
+export TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor  # beside SGLang's JIT caches (Triton's binaries: ../triton)
+# Inductor's compiled drafter graphs from an earlier run (collect brings them back as inductor.tar.xz, to be
+# copied to .sgl/): the training and evaluation compiles (~100 s of the train stage on a fresh machine) hit them
+if [ -f .sgl/inductor.tar.xz ] && [ ! -f /tmp/sgl-jit/inductor/.restored ]; then
+  mkdir -p /tmp/sgl-jit && tar -C /tmp/sgl-jit -xJf .sgl/inductor.tar.xz && touch /tmp/sgl-jit/inductor/.restored
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+left() { echo $((BUDGET - SECONDS)); }
+within() { local s=$(($(left) - $1)); echo $((s > 1 ? s : 1)); }  # a timeout that keeps $1 s in hand (0 would mean none)
+log() { echo "[$NAME $(date +%T) +${SECONDS}s] $*"; }
+
+# a previous command cut off mid-stage may have left servers or ranks behind
+pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"
+pkill -f -- "-m extract --config"; pkill -f -- "-m data.regenerate"; sleep 1  # torchrun's orphaned workers
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
