@@ -199,7 +199,9 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | 
     reference decoder). A compressed-tensors target is decompressed on load (its quantized weights become their
     dequantized values in `dtype`: what the quantized model computes, up to kernel rounding)."""
     from transformers import AutoModelForCausalLM
-    quantization = load_target_info(path).quantization
+    config = read_json(Path(path) / "config.json") or {}
+    quantization = quantization_label(config.get("quantization_config")
+                                      or (config.get("text_config") or {}).get("quantization_config"))
     if quantization.startswith("compressed-tensors"):
         import importlib.util
         if importlib.util.find_spec("compressed_tensors") is None:

@@ -155,8 +155,6 @@ def not_run_because(cfg: EyrieConfig, stage: str) -> str | None:
     """Why a stage has nothing to run with this config, or None."""
     if stage == "regenerate" and not cfg.data.regenerate.enabled:
         return "not enabled (data.regenerate.enabled is false)"
-    if stage == "smoke" and cfg.train.drafter.family == "dflash":
-        return "not yet for DFlash drafters (train.drafter.family: dflash): the evaluate stage's figures stand"
     return None
 
 
@@ -197,9 +195,11 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                  "--decode", str(DECODE_PROMPTS), "--decode-steps", str(DECODE_STEPS)]]
     if stage == "smoke":
         sv = cfg.serve
-        steps = ",".join(map(str, [DECODE_STEPS, *sv.extra_steps]))
+        # a DFlash drafter is served at its own block size: no chain lengths to choose
+        steps = [] if cfg.train.drafter.family == "dflash" else \
+            ["--steps", ",".join(map(str, [DECODE_STEPS, *sv.extra_steps]))]
         return [[sys.executable, "-m", "serve.smoke", "--target", cfg.target.path, "--drafter", str(run.drafter),
-                 "--run", str(run.root), "--out", str(run.smoke), "--tp", str(sv.tp), "--steps", steps,
+                 "--run", str(run.root), "--out", str(run.smoke), "--tp", str(sv.tp), *steps,
                  "--concurrency", ",".join(map(str, sv.concurrency)), "--timeout", str(sv.timeout_s),
                  "--repeats", str(sv.repeats), "--pass-seconds", str(sv.pass_seconds),
                  "--timing-max-new-tokens", str(sv.timing_max_new_tokens),
@@ -318,12 +318,13 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
                                    "device": decoded[trained][group]["device"]}}
     if stage_done(cfg, "smoke", prints):
         smoke = json.loads(outputs(cfg)["smoke"].read_text())
-        spec = smoke["eagle3"]
+        served = "dflash" if "dflash" in smoke else "eagle3"
+        spec = smoke[served]
         report["sglang"] = {"chain": spec["chain"], "accept_length_by_group": spec["accept_length_by_group"],
                             "parity_with_baseline": spec["parity"], "speedup": spec["speedup"],
                             "verdict": spec["verdict"], "costs": spec["costs"],
                             "tokens_per_s": {"baseline": smoke["baseline"]["tokens_per_s"],
-                                             "eagle3": spec["tokens_per_s"]},
+                                             served: spec["tokens_per_s"]},
                             "deterministic": smoke.get("deterministic"), "environment": smoke["environment"]}
     return report
 

@@ -20,7 +20,8 @@ timeout (large targets take minutes). On each server, at temperature 0:
   (serve/timing.py); the speedup is median over median with the range of the repeats, and a range that straddles
   1.0 reads "no measurable difference".
 Servers are stopped by process group; the port and the GPU memory are checked released. Report keys: `eagle3` for
-the first chain length, `eagle3_stepsN` for the others. Server logs, each server's measurements (server-NAME.json,
+the first chain length, `eagle3_stepsN` for the others; a DFlash drafter (serve/dflash_dir.py) is served with
+`--speculative-algorithm DFLASH --speculative-num-draft-tokens BLOCK_SIZE`, key `dflash`. Server logs, each server's measurements (server-NAME.json,
 reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next
 server) and report.json go to --out. `--trees S/K/N,...` adds trees (top-k K > 1, N draft tokens; keys
 `eagle3_stepsS_topkK_tokensN`); `--sweep` measures chains of 1-7 steps and serve/sweep.py's default trees, and with
@@ -49,7 +50,7 @@ from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .drafter_dir import target_match
-from .sweep import DEFAULT_TREES, Spec, print_recommendations, recommend, spec_names
+from .sweep import DEFAULT_TREES, Block, Spec, print_recommendations, recommend, spec_names
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
 from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
@@ -198,6 +199,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     trees = a.trees if a.trees is not None else ",".join(DEFAULT_TREES) if a.sweep else ""
     a.configs = [Spec(n, 1, n + 1) for n in a.steps] + [Spec(*map(int, t.split("/"))) for t in trees.split(",") if t]
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    from .dflash_dir import is_dflash_dir
+    if is_dflash_dir(a.drafter):  # blocks of the drafter's own size: one configuration
+        if a.sweep or a.trees or a.steps != [3]:
+            p.error(f"{a.drafter} is a DFlash drafter: it drafts blocks of its own size (dflash_config.block_size); "
+                    "--steps, --trees and --sweep choose EAGLE-3 configurations")
+        block = json.loads((Path(a.drafter) / "config.json").read_text())["dflash_config"]["block_size"]
+        a.configs, a.steps = [Block(block)], [block - 1]  # steps: drafts per verify, as the reference decoder counts
     try:
         spec_names(a.configs)
     except ValueError as e:
@@ -239,7 +247,7 @@ def server_plan(a: argparse.Namespace) -> list[tuple[str, list[str], list[int]]]
     if a.deterministic_parity:  # batch-invariant kernels: a 4-token verify computes what a 1-token decode does
         deterministic = ["--enable-deterministic-inference"]
         servers += [("baseline_deterministic", common + deterministic, []),  # outputs only, not timed
-                    ("eagle3_deterministic", common + eagle(a.configs[0]) + deterministic, [])]
+                    (f"{spec_names(a.configs)[0]}_deterministic", common + eagle(a.configs[0]) + deterministic, [])]
     return servers
 
 
@@ -260,7 +268,7 @@ def run_servers(a: argparse.Namespace, groups: dict[str, list[list[int]]], out: 
         try:
             result = measured_once(out / f"server-{name}.json", key, serve_and_measure)
         except (RuntimeError, TimeoutError) as e:
-            if name in ("baseline", "eagle3"):
+            if name in ("baseline", "eagle3", "dflash"):  # the measurement itself
                 raise
             # an extra configuration or check: the report keeps what the other servers measured, and why not this
             if name.endswith("_deterministic"):
@@ -295,12 +303,13 @@ def compare(report: dict, a: argparse.Namespace) -> dict:
                      "speedup": speedup, "verdict": {c: verdict(r) for c, r in speedup.items()},
                      "costs": cycle_costs(base["step_ms"], measured["step_ms"],
                                           measured["groups"][timed]["accept_length"], spec.tokens - 1)}
-    report["parity"] = report["eagle3"]["parity"]["all"]
-    report["verdict"] = report["eagle3"]["verdict"]
+    primary = spec_names(a.configs)[0]
+    report["parity"] = report[primary]["parity"]["all"]
+    report["verdict"] = report[primary]["verdict"]
     if len(a.configs) > 1:
         report["recommended"] = recommend(report, spec_names(a.configs), a.concurrency)
     if a.deterministic_parity and "deterministic" not in report:
-        det = report["eagle3_deterministic"]
+        det = report[f"{primary}_deterministic"]
         report["deterministic"] = {
             "parity": parity(det, report["baseline_deterministic"])["all"],
             "accept_length": {g: r["accept_length"] for g, r in det["groups"].items()},
@@ -309,7 +318,7 @@ def compare(report: dict, a: argparse.Namespace) -> dict:
     report["speedup_formula"] = ("median tokens/s over the repeats / the baseline's median; range: min/max and max/min "
                                  "of the repeats; a range that straddles 1.0 is no measurable difference")
     if a.run:
-        report["reference"] = compare_with_run(a.run, a.drafter, a.steps[0], report["eagle3"])
+        report["reference"] = compare_with_run(a.run, a.drafter, a.steps[0], report[primary])
     return report
 
 
@@ -328,7 +337,7 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
                                                 for g, v in m["accept_length_by_group"].items() if v is not None))
         for c, tps in m["tokens_per_s"].items():
             b = base["tokens_per_s"][c]
-            print(f"  concurrency {c:>4}: plain {b['median']:9.1f} tok/s ({b['min']:.1f}-{b['max']:.1f}), eagle3 "
+            print(f"  concurrency {c:>4}: plain {b['median']:9.1f} tok/s ({b['min']:.1f}-{b['max']:.1f}), {name} "
                   f"{tps['median']:9.1f} ({tps['min']:.1f}-{tps['max']:.1f}) → {m['verdict'][c]}")
         costs = m["costs"]
         be = costs["break_even_accept_length"]
@@ -397,15 +406,19 @@ def compare_with_run(run: str, drafter: str, steps: int, spec: dict) -> dict:
     report = reference_decoding(run, drafter, steps)
     out = {}
     for group, measured in spec["groups"].items():
-        decoded, offline = report["decode"][drafter].get(group), report["drafters"][drafter].get(group)
+        blocks = drafter in report.get("dflash_drafters", {})  # a DFlash drafter: its offline block figure
+        decoded = report["decode"][drafter].get(group)
+        offline = (report["dflash_drafters"] if blocks else report["drafters"])[drafter].get(group)
         if decoded is None or offline is None:
             continue
         sglang = measured["accept_length"]
-        values = {"sglang": sglang, "reference_decoder": decoded["accept_length"],
-                  "offline_evaluator_tau": offline["accept_length_by_steps"][steps - 1],
-                  "offline_evaluator_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1]}
+        values = {"sglang": sglang, "reference_decoder": decoded["accept_length"]} | (
+            {"offline_evaluator_blocks": offline["accept_length"]} if blocks else
+            {"offline_evaluator_tau": offline["accept_length_by_steps"][steps - 1],
+             "offline_evaluator_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1]})
         same = [x == y for x, y in zip(measured["output_ids"], [r["output_ids"] for r in decoded["prompts"]])]
-        out[group] = {"chain": f"{steps} steps / top-k 1 / {steps + 1} draft tokens",
+        out[group] = {"chain": f"DFlash blocks of {steps + 1}" if blocks else
+                      f"{steps} steps / top-k 1 / {steps + 1} draft tokens",
                       "accept_length": {k: {"value": v, "relative_to_sglang": v / sglang - 1}
                                         for k, v in values.items()},
                       "token_parity_with_reference_decoder": sum(same) / max(len(same), 1),

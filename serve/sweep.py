@@ -36,12 +36,33 @@ class Spec(NamedTuple):
                 "--speculative-num-draft-tokens", str(self.tokens)]
 
 
-def spec_names(configs: list[Spec]) -> list[str]:
-    """Report keys: `eagle3` for the first configuration (compared with the run's reference decoder),
+class Block(NamedTuple):
+    """A DFlash drafter's configuration: blocks of its own size (its config's dflash_config.block_size), one forward
+    per block; SGLang's --speculative-num-draft-tokens is the block size."""
+    block_size: int
+
+    @property
+    def tokens(self) -> int:  # the most a verify step emits
+        return self.block_size
+
+    def check(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"{self}: a block holds at least 2 tokens")
+
+    def label(self) -> str:
+        return f"SGLang DFLASH, blocks of {self.block_size} ({self.block_size - 1} drafts)"
+
+    def flags(self, drafter: str) -> list[str]:
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter,
+                "--speculative-num-draft-tokens", str(self.block_size)]
+
+
+def spec_names(configs: list[Spec | Block]) -> list[str]:
+    """Report keys: `eagle3` (or `dflash`) for the first configuration (compared with the run's reference decoder),
     `eagle3_stepsN` for other chains, `eagle3_stepsS_topkK_tokensT` for trees."""
     for spec in configs:
         spec.check()
-    return ["eagle3"] + [f"eagle3_steps{s.steps}" if s.topk == 1 else
+    return ["dflash" if isinstance(configs[0], Block) else "eagle3"] + [f"eagle3_steps{s.steps}" if s.topk == 1 else
                          f"eagle3_steps{s.steps}_topk{s.topk}_tokens{s.tokens}" for s in configs[1:]]
 
 

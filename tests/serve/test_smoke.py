@@ -172,6 +172,41 @@ def test_trees_sglang_cannot_build_are_refused_when_parsed(capsys):
     assert parse_args(["--target", "t", "--drafter", "d", "--trees", "3/4/8"]).configs[-1] == (3, 4, 8)
 
 
+def test_a_dflash_drafter_is_served_with_its_own_block_size(tiny_target, tmp_path, monkeypatch, capsys):
+    """A DFlash drafter directory: one server with SGLang's DFLASH flags at the drafter's block size (stand-in
+    measurements), keyed `dflash`; EAGLE-3 configuration flags are refused for it."""
+    import serve.smoke
+    from serve.dflash_dir import SGLANG_CLASS
+    drafter = tmp_path / "dflash"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": [SGLANG_CLASS], "dtype": "float32",
+                                                     "dflash_config": {"block_size": 8, "mask_token_id": 3,
+                                                                       "target_layer_ids": [1, 2]}}))
+    commands = {}
+
+    def canned(path, key, serve_and_measure):
+        name = path.stem.removeprefix("server-")
+        commands[name] = key
+        rates = {"1": 500.0} if name == "baseline" else {"1": 900.0}
+        return {"command": "launch_server", "ready_s": 30.0, "stopped": {"port_free": True},
+                "measured": canned_measurement(rates, None if name == "baseline" else 3.5, ["a", "b"], 2.0)}
+    monkeypatch.setattr(serve.smoke, "measured_once", canned)
+    plan = serve.smoke.server_plan(serve.smoke.parse_args(["--target", str(tiny_target), "--drafter", str(drafter),
+                                                           "--concurrency", "1"]))
+    [(name, args, _)] = plan[1:]
+    assert name == "dflash" and args[args.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "8" and "--speculative-eagle-topk" not in args
+    report = serve.smoke.main(["--target", str(tiny_target), "--drafter", str(drafter), "--limit", "2",
+                               "--concurrency", "1", "--out", str(tmp_path / "out")])
+    assert set(commands) == {"baseline", "dflash"} and report["parity"] == 1.0
+    assert report["dflash"]["chain"] == "SGLang DFLASH, blocks of 8 (7 drafts)"
+    assert report["verdict"]["1"].startswith("faster: 1.80x")
+    assert report["dflash"]["costs"]["most_tokens_per_cycle"] == 8
+    with pytest.raises(SystemExit):
+        serve.smoke.parse_args(["--target", "t", "--drafter", str(drafter), "--sweep"])
+    assert "is a DFlash drafter" in capsys.readouterr().err
+
+
 def test_mixed_served_dtypes_fail_before_any_server_starts(tiny_target, tmp_path):
     from serve.smoke import check_served_dtypes
     drafter = tmp_path / "drafter"
@@ -222,6 +257,14 @@ def test_compare_with_run_sets_sglang_beside_the_reference_decoder_and_offline_e
     assert r["unseen"]["token_parity_with_reference_decoder"] == 1.0
     with pytest.raises(SystemExit, match="4 steps"):
         compare_with_run(str(tmp_path), "D", 4, spec)
+    # a DFlash drafter: its offline figure is the block accept length (evaluate's dflash_drafters)
+    evaluate |= {"drafters": {}, "dflash_drafters": {"D": {"sampled": {"accept_length": 2.4}}},
+                 "decode": {"D": {"sampled": evaluate["decode"]["D"]["sampled"] | {"steps": 7}}}}
+    (tmp_path / "evaluate" / "evaluate.json").write_text(json.dumps(evaluate))
+    r = compare_with_run(str(tmp_path), "D", 7, spec)
+    assert list(r) == ["sampled"] and r["sampled"]["chain"] == "DFlash blocks of 8"
+    assert r["sampled"]["accept_length"]["offline_evaluator_blocks"]["value"] == 2.4
+    assert set(r["sampled"]["accept_length"]) == {"sglang", "reference_decoder", "offline_evaluator_blocks"}
 
 
 def test_accept_lengths_compared_on_the_prompts_where_both_decoders_emitted_the_same_tokens(tmp_path):
