@@ -243,6 +243,14 @@ def _weight_files(target: Path) -> dict[str, Path]:
     return names
 
 
+def load_embedding_and_head(target: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and output head (its lm_head; with tied embeddings the embedding itself)."""
+    tensors = load_target_tensors(target, ["embed", "lm_head"])
+    if "embed" not in tensors:
+        raise ValueError(f"{target}: no embed_tokens.weight in the target's checkpoint")
+    return tensors["embed"], tensors.get("lm_head", tensors["embed"])
+
+
 def load_target_tensors(target: str | Path, wanted: list[str]) -> dict[str, torch.Tensor]:
     """{'embed' | 'lm_head' | 'norm': tensor} for the wanted ones present in the target's checkpoint."""
     target = Path(target)

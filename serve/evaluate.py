@@ -170,7 +170,7 @@ def dflash_acceptance(path: str, run_dir: str | Path, group_rows: dict[str, list
     """A DFlash drafter on each held-out group's stored features: blocks anchored at up to `blocks_per_sample`
     positions of each sample (the same ones every run), drafted over the context before them; the accept length
     of a block = 1 + its drafts equal to the sample's tokens in a row (greedy, teacher-forced context)."""
-    from data.target import load_target_tensors
+    from data.target import load_embedding_and_head
     from train.dflash import dflash_objective
 
     from . import dflash_dir
@@ -182,9 +182,7 @@ def dflash_acceptance(path: str, run_dir: str | Path, group_rows: dict[str, list
     if list(ids) != list(features["meta"]["aux_layer_ids"]):
         raise DrafterDirError(f"{path}: reads layers {ids}, but the features hold layers "
                               f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
-    tensors = load_target_tensors(features["meta"]["target_id"], ["embed", "lm_head"])
-    embed = tensors["embed"].to(device, dtype)
-    head = tensors.get("lm_head", tensors["embed"]).to(device, dtype)
+    embed, head = (t.to(device, dtype) for t in load_embedding_and_head(features["meta"]["target_id"]))
     out = {}
     for group, rows in group_rows.items():
         accepted = blocks = 0.0

@@ -341,8 +341,8 @@ def print_report(report: dict, a: argparse.Namespace) -> None:
                   f"{tps['median']:9.1f} ({tps['min']:.1f}-{tps['max']:.1f}) → {m['verdict'][c]}")
         costs = m["costs"]
         be = costs["break_even_accept_length"]
-        print(f"  single request: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
-              f"{costs['cycle_ms']['median']:.3f} ms (medians of {costs['cycle_ms']['n']} requests) → break-even "
+        print(f"  requests streamed alone: plain decode step {costs['plain_step_ms']['median']:.3f} ms, cycle "
+              f"{costs['cycle_ms']['median']:.3f} ms (medians over {costs['cycle_ms']['n']} requests) → break-even "
               f"accept length {be['median']:.2f} ({be['min']:.2f}-{be['max']:.2f}), at most {spec.tokens}; limited by "
               f"{costs['limited_by']}")
     if "error" in report.get("deterministic", {}):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from data.config import EyrieConfig
-from data.target import TargetInfo, load_target_info, load_target_tensors
+from data.target import TargetInfo, load_embedding_and_head, load_target_info, load_target_tensors
 from data.vocab import load_draft_vocab
 
 from .dflash import BlockResult, DFlashDrafter, dflash_config, dflash_objective
@@ -128,16 +128,13 @@ def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
     ids, dc = checked_layer_ids(cfg, data, target), cfg.train.dflash
     if cfg.train.warm_start:
         raise ValueError("train.warm_start: DFlash drafters start from scratch for now")
-    tensors = load_target_tensors(cfg.target.path, ["embed", "lm_head"])
-    head = tensors.get("lm_head", tensors.get("embed"))  # tied embeddings: the head is the embedding
-    if "embed" not in tensors:
-        raise ValueError(f"{cfg.target.path}: no embed_tokens.weight in the target's checkpoint")
+    embed, head = load_embedding_and_head(cfg.target.path)
     shape = cfg.train.drafter
     config = dflash_config(target, dc.num_layers, ids, dc.block_size, mask_token_id(cfg, target.vocab_size),
                            shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
                            shape.intermediate_size, shape.rms_norm_eps)
     model = DFlashDrafter(config)
-    embed, lm_head = tensors["embed"].to(device, dtype), head.to(device, dtype)  # the target's, frozen
+    embed, lm_head = embed.to(device, dtype), head.to(device, dtype)  # the target's, frozen
     generator = torch.Generator().manual_seed(cfg.seed + (dist.get_rank() if dist.is_initialized() else 0))
 
     def step(engine, b: Batch, blocks_from: torch.Generator = generator) -> BlockResult:
