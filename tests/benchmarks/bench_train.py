@@ -39,6 +39,9 @@ $PROFILE_DIR). Every row's split_host_ms says how long the host took to launch e
 the GPU waited for the host). --memory-profile adds `live_at_peak` to the first T's rows: the step's allocations
 alive at its peak memory, by the code that made them.
 
+eyrie-dflash, specforge-dflash: the DFlash training steps (blocks of 16 at 512 anchors; tests/benchmarks/
+dflash_peers.py says what each runs and how its FLOPs are counted); tokens/s counts the T context tokens.
+
 --loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
 writer and streams them through the trainer's loader (FeatureData.stream: collate + pin on a thread) while
 eyrie steps: read GB/s and stall.
@@ -59,7 +62,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_extract import matmul_tflops  # noqa: E402  (this script's folder is on sys.path)
+import dflash_peers  # noqa: E402  (this script's folder is on sys.path)
+from bench_extract import matmul_tflops  # noqa: E402
+from dflash_peers import PEERS as DFLASH_PEERS  # noqa: E402
 
 SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, intermediate; draft vocab
     "llama3-8b": dict(Ht=4096, Vt=128256, H=4096, nh=32, kvh=8, hd=128, I=14336, Vd=32000),
@@ -331,15 +336,20 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     # Memory an earlier peer left allocated after its own clean-up below (a run of SpecForge first left its 7.6 GiB):
     # subtracted below, so each row's peak and resident are the peer's own.
     before = torch.cuda.memory_allocated()
+    flops, inputs = useful_flops, make_inputs
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
-        runner = SpecForge(s, ckpt, SPECFORGE_PEERS[peer]) if peer in SPECFORGE_PEERS else \
-            Eyrie(s, ckpt or own_ckpt, recompute)
+        if peer in DFLASH_PEERS:
+            runner, flops, inputs = DFLASH_PEERS[peer](s, ckpt), dflash_peers.useful_flops, dflash_peers.make_inputs
+        elif peer in SPECFORGE_PEERS:
+            runner = SpecForge(s, ckpt, SPECFORGE_PEERS[peer])
+        else:
+            runner = Eyrie(s, ckpt or own_ckpt, recompute)
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
         row = {"peer": peer + ("+ckpt" if ckpt and not own_ckpt else ""), "shape": shape, "T": T}
-        x = make_inputs(s, T)
+        x = inputs(s, T)
         gc.collect()
         torch.cuda.empty_cache()
         try:
@@ -368,8 +378,8 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
                 "step_seconds": [round(t, 5) for t in step_seconds],
                 "peak_gib": round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 2),
                 "resident_gib": round((resident - before) / 2 ** 30, 2),
-                "mfu": round(useful_flops(s, T) / sec / 1e12 / peak_tflops, 3),
-                "mfu_of_dense_peak": round(useful_flops(s, T) / sec / 1e12 / DENSE_BF16_PEAK_TFLOPS, 3),
+                "mfu": round(flops(s, T) / sec / 1e12 / peak_tflops, 3),
+                "mfu_of_dense_peak": round(flops(s, T) / sec / 1e12 / DENSE_BF16_PEAK_TFLOPS, 3),
                 "split_ms": {k: round(v * 1e3, 1) for k, v in timer.seconds.items()},
                 # host time close to a phase's time: the GPU waited for launches (CUDA graphs, fewer kernels)
                 "split_host_ms": {k: round(v * 1e3, 1) for k, v in timer.host.items()},
@@ -471,7 +481,7 @@ def main() -> None:
     a = p.parse_args()
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
-    known = {*EYRIE_PEERS, *SPECFORGE_PEERS}
+    known = {*EYRIE_PEERS, *SPECFORGE_PEERS, *DFLASH_PEERS}
     if set(peers) - known:  # before any GPU work
         raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
     out = {"dense_bf16_peak_tflops": DENSE_BF16_PEAK_TFLOPS, "torch": torch.__version__, "steps": a.steps,
