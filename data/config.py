@@ -147,6 +147,11 @@ class DFlashConfig(Section):
                                       "embedding row, else the pad token")
     blocks_per_sample: int = Field(64, ge=1, description="blocks anchored at sampled positions of each sample")
     loss_decay_gamma: float | None = Field(7.0, gt=0, description="block position k weighs exp(-(k-1)/gamma)")
+    labels: Literal["tokens", "teacher"] = Field(
+        "tokens", description="tokens: each drafted position learns the sample's token (SpecForge's and the DFlash "
+        "paper's recipe; on self-distilled data the target's greedy choice); teacher: the target's whole "
+        "next-token distribution from the stored final hidden states (soft labels: one full-vocabulary softmax "
+        "per drafted position more)")
 
 
 class OptimConfig(Section):

@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .fused import RMSNorm, SwiGLUMLP
+from .teacher import Teacher
 
 SGLANG_CLASS = "DFlashDraftModel"
 
@@ -144,8 +145,10 @@ def dflash_config(target, num_layers: int, layer_ids: list[int], block_size: int
 # block position k >= 1 labelled with the sample's token at anchor + k (self-generated data: the target's own
 # tokens), weighted by that token's loss mask and by exp(-(k - 1) / gamma) when gamma is set (later positions
 # are accepted only after the earlier ones). Choices: hard labels (the target's tokens), not the teacher's
-# distribution over the full vocabulary; anchors where the anchor and the next token both carry loss (what a
-# block starts from in serving: a token the target emitted).
+# distribution over the full vocabulary by default (train.dflash.labels: teacher for soft labels: on self-distilled
+# greedy data the tokens are the teacher's argmax, the distribution adds how sure it was, at one full-vocabulary
+# softmax per drafted position); anchors where the anchor and the next token both carry loss (what a block starts
+# from in serving: a token the target emitted).
 
 
 @dataclass
@@ -195,8 +198,11 @@ def block_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_len: int
 
 def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                      aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
-                     gamma: float | None = None, generator: torch.Generator | None = None) -> BlockResult:
-    """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens.
+                     gamma: float | None = None, generator: torch.Generator | None = None,
+                     teacher: Teacher | None = None, final_hidden: torch.Tensor | None = None) -> BlockResult:
+    """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens
+    (or, with `teacher`, against the target's distribution for each of them: `teacher` over the full vocabulary
+    and `final_hidden` [B, T, H] the shards' final states, position p's giving the token at p + 1).
     `drafter`: the model or its DeepSpeed engine (whose forward gathers ZeRO-3 partitions); embed [V, H] and
     lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states."""
     cfg = getattr(drafter, "module", drafter).config  # the drafter or its DeepSpeed engine
@@ -218,7 +224,13 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
     if gamma:
         weight = weight * torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
     logits = (hidden @ lm_head.to(hidden.dtype).T).float().view(B, N, bs, -1)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, bs)
+    if teacher is None:
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, bs)
+    else:  # block position k's token follows position anchor + k - 1, whose final state the teacher reads
+        before = (positions - 1).clamp(min=0, max=T - 1)
+        states = final_hidden.gather(1, before[..., None].expand(-1, -1, final_hidden.shape[-1]))
+        probs = teacher(states).probs.float().view(B, N, bs, -1)
+        ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1)
     loss = torch.where(weight > 0, ce * weight, 0.0).sum() / weight.sum().clamp(min=1e-6)
     with torch.no_grad():
         scored = weight > 0

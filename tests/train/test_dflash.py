@@ -172,6 +172,40 @@ def test_the_objective_learns_a_batch(features_run):
     assert first < 1.3 and r.accept_length > 3.5, (first, r.accept_length)  # 1.0 → 3.90 of at most 4 here
 
 
+def test_teacher_labels_are_the_targets_next_token_distribution(features_run):
+    """train.dflash.labels: teacher. With a teacher sharpened to one-hot (its head x 1000), soft labels give the
+    loss hard labels give on a sample whose tokens are the teacher's argmax; with the target's own teacher the loss
+    differs and trains the drafter. Read through the family builder, as train/main.py does."""
+    from data.config import load_config
+    from data.split import heldout_ids, read_split
+    from data.target import load_embedding_and_head
+    from train.dflash import dflash_objective
+    from train.families import dflash as dflash_family
+    from train.loader import FeatureData
+    from train.teacher import Teacher
+    cfg = load_config(features_run[0], ["--train.drafter.family", "dflash", "--train.dflash.labels", "teacher",
+                                        "--train.dflash.block_size", "4", "--target.aux_layer_ids", "[0, 1, 2]"])
+    data = FeatureData(cfg.layout.features, heldout_ids(read_split(cfg.layout.split)), 512, seed=0, rank=0, world=1)
+    b = data.collate(data.epoch_plan(0)[0][:4])
+    torch.manual_seed(0)
+    family = dflash_family(cfg, data, torch.device("cpu"), torch.float32)
+    r = family.step(family.model, b)
+    r.loss.backward()
+    assert torch.isfinite(r.loss) and all(p.grad is not None for p in family.model.fc.parameters())
+    embed, head = (t.float() for t in load_embedding_and_head(cfg.target.path))
+    vocab = torch.ones(head.shape[0], dtype=torch.bool)
+    sharp = Teacher(head * 1000, vocab)  # one-hot at the target's argmax
+    following = sharp(b.final_hidden).target_ids
+    ids = torch.cat([b.input_ids[:, :1], following[:, :-1]], 1)  # each token the teacher's choice after the last
+
+    def loss(**teacher):
+        return dflash_objective(family.model, embed, head, ids, b.aux_hidden, b.loss_mask, b.lengths, 8, 7.0,
+                                torch.Generator().manual_seed(1), **teacher).loss.item()
+    hard = loss()
+    assert loss(teacher=sharp, final_hidden=b.final_hidden) == pytest.approx(hard, rel=1e-4)
+    assert abs(loss(teacher=Teacher(head, vocab), final_hidden=b.final_hidden) - hard) > 1e-3
+
+
 def test_a_dflash_drafter_trains_with_deepspeed_and_exports_for_sglang(features_run, tmp_path):
     """train.drafter.family: dflash through train/main.py on two gloo ranks (DeepSpeed ZeRO-2, the same
     checkpoints and logs as EAGLE-3), then serve.export: the held-out block loss falls (the same blocks at every
