@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from data.files import load_safetensors
+from data.files import atomic_write_json, load_safetensors, read_json
 
 # what is quantized (a module name pattern) and what compressed-tensors is told to leave alone
 QUANTIZED = {"routed-experts": re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj"),
@@ -47,9 +47,8 @@ def quantize_target(source: str | Path, out: str | Path, quantize: str = "routed
     for f in source.iterdir():  # tokenizer, chat template, generation config: the source's
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out / f.name)
-    counts = {"quantized": 0, "kept": 0}
-    files = sorted(source.glob("*.safetensors"))
-    for f in tqdm(files, desc="quantize shards"):
+    counts, weight_map = {"quantized": 0, "kept": 0}, {}
+    for f in tqdm(sorted(source.glob("*.safetensors")), desc="quantize shards"):
         written = {}
         for name, tensor in load_safetensors(f, "the source target's trainer").items():
             module = name.removesuffix(".weight")
@@ -68,15 +67,10 @@ def quantize_target(source: str | Path, out: str | Path, quantize: str = "routed
             written |= {f"{module}.{k}": v.contiguous() for k, v in packed.items()}
             counts["quantized"] += 1
         save_file(written, str(out / f.name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(written, f.name)
     if not counts["quantized"]:
         raise ValueError(f"{source}: no tensor matches {pattern.pattern} (--quantize {quantize})")
-    if (source / "model.safetensors.index.json").exists():  # the tensor names changed: index the written files
-        from data.files import atomic_write_json
-        weight_map = {}
-        for f in files:
-            from safetensors import safe_open
-            with safe_open(str(out / f.name), "pt") as fh:
-                weight_map |= dict.fromkeys(fh.keys(), f.name)
+    if (source / "model.safetensors.index.json").exists():  # the tensor names changed: index the written ones
         atomic_write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
     config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
                                 quantization_status=QuantizationStatus.COMPRESSED, ignore=IGNORED[quantize])
@@ -86,10 +80,10 @@ def quantize_target(source: str | Path, out: str | Path, quantize: str = "routed
 
 
 def _declare_dtype(path: Path, dtype: str) -> None:
-    import json
-    config = json.loads(path.read_text())
+    """What is not quantized is in `dtype` (transformers 5 reads `dtype`; the older `torch_dtype` goes)."""
+    config = read_json(path)
     config.pop("torch_dtype", None)
-    path.write_text(json.dumps(config | {"dtype": dtype}, indent=2, sort_keys=True))
+    atomic_write_json(path, config | {"dtype": dtype})
 
 
 def main(argv: list[str] | None = None) -> dict:

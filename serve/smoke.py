@@ -21,15 +21,16 @@ timeout (large targets take minutes). On each server, at temperature 0:
   1.0 reads "no measurable difference".
 Servers are stopped by process group; the port and the GPU memory are checked released. Report keys: `eagle3` for
 the first chain length, `eagle3_stepsN` for the others; a DFlash drafter (serve/dflash_dir.py) is served with
-`--speculative-algorithm DFLASH --speculative-num-draft-tokens BLOCK_SIZE`, key `dflash`. Server logs, each server's measurements (server-NAME.json,
-reused by a rerun with the same command, prompts and drafter: a run cut off by a time limit resumes at the next
-server) and report.json go to --out. `--trees S/K/N,...` adds trees (top-k K > 1, N draft tokens; keys
-`eagle3_stepsS_topkK_tokensN`); `--sweep` measures chains of 1-7 steps and serve/sweep.py's default trees, and with
-more than one configuration the report recommends, per concurrency, the fastest one measurably faster than the
-plain server as its exact flags, or the plain server (`recommended`); a configuration whose server fails is
-reported with its error, not the end of the sweep. `--deterministic-parity` adds a plain and an EAGLE3 server with SGLang's
-batch-invariant kernels, single-stream: parity there, where the default kernels let a bf16 near-tie differ between
-a 1-token decode and a k-token verify, tells such ties from a bug.
+`--speculative-algorithm DFLASH --speculative-num-draft-tokens BLOCK_SIZE`, key `dflash`. Server logs, each
+server's measurements (server-NAME.json, reused by a rerun with the same command, prompts and drafter: a run cut
+off by a time limit resumes at the next server) and report.json go to --out. `--trees S/K/N,...` adds trees (top-k
+K > 1, N draft tokens; keys `eagle3_stepsS_topkK_tokensN`); `--sweep` measures chains of 1-7 steps and
+serve/sweep.py's default trees; with more than one configuration the report recommends, per concurrency, the
+fastest one measurably faster than the plain server as its exact flags, or the plain server (`recommended`); a
+configuration whose server fails is reported with its error, not the end of the sweep. `--deterministic-parity`
+adds a plain and an EAGLE3 server with SGLang's batch-invariant kernels, single-stream: parity there, where the
+default kernels let a bf16 near-tie differ between a 1-token decode and a k-token verify, tells such ties from a
+bug.
 
 With --run RUN_DIR (a pipeline run whose evaluate stage ran the reference decoder), the prompts are that run's
 held-out prompts by group (RUN_DIR/data/split.json), the ones serve.evaluate decoded, and the report puts SGLang's
@@ -50,8 +51,8 @@ from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .drafter_dir import target_match
-from .sweep import DEFAULT_TREES, Block, Spec, print_recommendations, recommend, spec_names
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
+from .sweep import DEFAULT_TREES, Block, Spec, print_recommendations, recommend, spec_names
 from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
 DEFAULT_PROMPTS = ["Count from 1 to 8.", "What is 17 plus 25?", "Sort these words: tiger, apple, river, stone.",

@@ -71,7 +71,8 @@ def recommend(report: dict, names: list[str], concurrency: list[int]) -> dict:
     plain server (else none), every configuration's speedup beside it, and the concurrency from which none pays."""
     by_concurrency, does_not_pay_from = {}, None
     for c in map(str, sorted(concurrency)):
-        rows = {n: report[n]["speedup"][c] for n in names if "speedup" in report.get(n, {}) and c in report[n]["speedup"]}
+        rows = {n: report[n]["speedup"][c] for n in names
+                if "speedup" in report.get(n, {}) and c in report[n]["speedup"]}
         faster = {n: r for n, r in rows.items() if r["min"] > 1.0}
         if faster:
             best = max(faster, key=lambda n: faster[n]["median"])
