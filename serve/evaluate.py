@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     if blocks:
         _, data, rows = heldout_rows(RunLayout(a.run), a.split)
         report["dflash_drafters"] = {d: dflash_acceptance(d, a.run, rows, data) for d in blocks}
+        report["target_match"] |= {d: target_match(d, report["target"]) for d in blocks}
     out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)
     if a.decode and a.split == "eval":

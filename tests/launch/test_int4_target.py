@@ -163,3 +163,23 @@ def test_a_drafter_trained_on_another_copy_of_the_target_is_flagged(bf16_and_int
     assert flagged["same_target"] is False
     assert "(full precision), served on" in flagged["note"] and "W4A16" in flagged["note"]
     assert flagged["served_on"]["target_quantization"] == load_target_info(int4).quantization
+
+
+def test_a_llama_targets_mlp_quantized_the_same_way_loads_and_stays_close(tiny_target, tmp_path):
+    """--quantize mlp: every MLP projection of a Llama (attention, embedding and head kept), decompressed by
+    transformers as the hf backend loads it."""
+    from data.target import load_causal_lm, load_target_info
+    from launch.int4_target import quantize_target
+    counts = quantize_target(tiny_target, tmp_path / "int4", "mlp", group_size=32)
+    assert counts["quantized"] == 4 * 3  # 4 layers x gate/up/down
+    assert "W4A16 int group 32 on Linear (ignoring lm_head, re:.*self_attn.*)" in \
+        load_target_info(tmp_path / "int4").quantization
+    model, original = load_causal_lm(tmp_path / "int4", torch.float32), load_causal_lm(tiny_target, torch.float32)
+    ids = torch.randint(0, original.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # compressed-tensors decompresses dense Linear weights at the first forward
+        a, b = model(ids).logits, original(ids).logits
+    assert 0 < (a - b).abs().max() < 0.1 * b.abs().max()
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight,
+                       original.model.layers[0].self_attn.q_proj.weight.bfloat16().float())
+    quantized, exact = model.model.layers[2].mlp.down_proj.weight, original.model.layers[2].mlp.down_proj.weight
+    assert 0 < (quantized - exact).abs().max() < exact.abs().max() / 7  # within a 4-bit step of the group's max
