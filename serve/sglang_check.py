@@ -104,7 +104,8 @@ def check(directory: str | Path) -> dict:
             file_names |= set(fh.keys())
     consumed: set[str] = set()
     drafter_classes = (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM, DFlashDraftModel)
-    architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
+    config = json.loads((Path(directory) / "config.json").read_text())
+    architectures = config.get("architectures") or []
     is_drafter = any(a in {c.__name__ for c in drafter_classes} for a in architectures)
     checked_classes = drafter_classes if is_drafter else (ModelRegistry.resolve_model_cls(architectures)[0],)
     originals = {cls: cls.load_weights for cls in checked_classes}
@@ -141,7 +142,6 @@ def check(directory: str | Path) -> dict:
     report = {"architecture": type(model).__name__, "parameters": sum(1 for _ in model.named_parameters()),
               "tensors_in_file": len(file_names)}
     if not is_drafter:  # a target (a widened one, say): its attention as SGLang built it, against the config
-        config = json.loads((Path(directory) / "config.json").read_text())
         attention = model.model.layers[0].self_attn
         built = {"layers": len(model.model.layers), "heads": attention.num_heads, "kv_heads": attention.num_kv_heads,
                  "head_dim": attention.head_dim}
@@ -152,7 +152,6 @@ def check(directory: str | Path) -> dict:
                      for k in written if written[k] != built[k]]
         return report | {"target": built, "problems": problems, "ok": not problems}
     if isinstance(model, DFlashDraftModel):  # no draft vocab, no EAGLE options: the block and its context
-        config = json.loads((Path(directory) / "config.json").read_text())
         built = {"block_size": model.block_size, "context_features": model.num_context_features}
         written = {"block_size": config["dflash_config"]["block_size"],
                    "context_features": len(config["dflash_config"]["target_layer_ids"])}
@@ -169,7 +168,7 @@ def check(directory: str | Path) -> dict:
     # the EAGLE-3.1 options as SGLang built the model, against the config's (a key it ignores is never written)
     from train.drafter import eagle31_options
     from transformers import PretrainedConfig
-    written = eagle31_options(PretrainedConfig(**json.loads((Path(directory) / "config.json").read_text())))
+    written = eagle31_options(PretrainedConfig(**config))
     built = {"fc_norm": getattr(model.model, "fc_norm", None) is not None,
              "norm_output": bool(getattr(model.model, "norm_output", False))}
     problems += [f"config says {k}={written[k]}, SGLang built the drafter with {k}={built[k]}"
