@@ -147,7 +147,7 @@ def load_target_info(path: str | Path) -> TargetInfo:
             max_position_embeddings=int(text.get("max_position_embeddings", 0)),
             text_config=text,
             dtype=str(declared_dtype(text) or declared_dtype(config) or "float32"),
-            quantization=quantization_label(config.get("quantization_config") or text.get("quantization_config")),
+            quantization=declared_quantization(config),
         )
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing {e.args[0]!r} (looked in text_config too)") from None
@@ -172,6 +172,12 @@ class AuxCapture:
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         self._captured.clear()
         return aux
+
+
+def declared_quantization(config: dict) -> str:
+    """quantization_label of a config.json's `quantization_config` (or its text_config's)."""
+    return quantization_label(config.get("quantization_config")
+                              or (config.get("text_config") or {}).get("quantization_config"))
 
 
 def quantization_label(qc: dict | None) -> str:
@@ -199,9 +205,7 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | 
     reference decoder). A compressed-tensors target is decompressed on load (its quantized weights become their
     dequantized values in `dtype`: what the quantized model computes, up to kernel rounding)."""
     from transformers import AutoModelForCausalLM
-    config = read_json(Path(path) / "config.json") or {}
-    quantization = quantization_label(config.get("quantization_config")
-                                      or (config.get("text_config") or {}).get("quantization_config"))
+    quantization = declared_quantization(read_json(Path(path) / "config.json") or {})
     if quantization.startswith("compressed-tensors"):
         import importlib.util
         if importlib.util.find_spec("compressed_tensors") is None:
