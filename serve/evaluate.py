@@ -165,40 +165,38 @@ def evaluate(drafters: list[str], run_dir: str | Path, split: str = "eval", step
     return report
 
 
-def dflash_acceptance(path: str, run_dir: str | Path, group_rows: dict[str, list[int]], data: FeatureData,
-                      blocks_per_sample: int = 64, max_batch_tokens: int = 8192) -> dict:
+def dflash_acceptance(path: str, group_rows: dict[str, list[int]], data: FeatureData, blocks_per_sample: int = 64,
+                      max_batch_tokens: int = 8192) -> dict:
     """A DFlash drafter on each held-out group's stored features: blocks anchored at up to `blocks_per_sample`
     positions of each sample (the same ones every run), drafted over the context before them; the accept length
     of a block = 1 + its drafts equal to the sample's tokens in a row (greedy, teacher-forced context)."""
     from data.target import load_embedding_and_head
     from train.dflash import dflash_objective
+    from train.metrics import BlockStats
 
     from . import dflash_dir
-    features = read_manifest(RunLayout(run_dir).features)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = dflash_dir.load(path, device, dtype)
-    ids = model.config.dflash_config["target_layer_ids"]
-    if list(ids) != list(features["meta"]["aux_layer_ids"]):
+    ids, block_size = model.config.dflash_config["target_layer_ids"], model.config.dflash_config["block_size"]
+    if list(ids) != list(data.meta["aux_layer_ids"]):
         raise DrafterDirError(f"{path}: reads layers {ids}, but the features hold layers "
-                              f"{features['meta']['aux_layer_ids']} (extract with those ids to compare)")
-    embed, head = (t.to(device, dtype) for t in load_embedding_and_head(features["meta"]["target_id"]))
+                              f"{data.meta['aux_layer_ids']} (extract with those ids to compare)")
+    embed, head = (t.to(device, dtype) for t in load_embedding_and_head(data.meta["target_id"]))
     out = {}
     for group, rows in group_rows.items():
-        accepted = blocks = 0.0
-        correct = counted = None
+        stats = BlockStats(block_size)
         for i, indices in enumerate(length_grouped_batches(data.lengths, np.array(rows), max_batch_tokens, None)):
             b = data.collate(indices).to(device, dtype)
             with torch.no_grad():
-                r = dflash_objective(model, embed, head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,
-                                     blocks_per_sample, None, torch.Generator().manual_seed(i))
-            accepted, blocks = accepted + float(r.accepted), blocks + float(r.blocks)
-            correct = r.correct.double().cpu() + (0 if correct is None else correct)
-            counted = r.counted.double().cpu() + (0 if counted is None else counted)
-        if blocks:
-            out[group] = {"blocks": int(blocks), "accept_length": 1.0 + accepted / blocks,
-                          "accuracy_by_position": (correct / counted.clamp(min=1))[1:].tolist(),
-                          "block_size": model.config.dflash_config["block_size"]}
+                stats.add(dflash_objective(model, embed, head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,
+                                           blocks_per_sample, None, torch.Generator().manual_seed(i)),
+                          b.tokens, b.padded)
+        s = stats.reduce()
+        if s["blocks"]:
+            out[group] = {"blocks": int(s["blocks"]), "accept_length": s["accept_length"],
+                          "accuracy_by_position": [s[f"acc_pos{j}"] for j in range(1, block_size)],
+                          "block_size": block_size}
     return out
 
 
@@ -299,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                       prompts=a.decode or 16)
     if blocks:
         _, data, rows = heldout_rows(RunLayout(a.run), a.split)
-        report["dflash_drafters"] = {d: dflash_acceptance(d, a.run, rows, data) for d in blocks}
+        report["dflash_drafters"] = {d: dflash_acceptance(d, rows, data) for d in blocks}
         report["target_match"] |= {d: target_match(d, report["target"]) for d in blocks}
     out = Path(a.out) if a.out else RunLayout(a.run).evaluate
     out.mkdir(parents=True, exist_ok=True)

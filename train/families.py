@@ -23,7 +23,7 @@ from .dflash import BlockResult, DFlashDrafter, dflash_config, dflash_objective
 from .drafter import Eagle3Drafter, drafter_config
 from .engine import warm_start, warm_start_config
 from .loader import Batch, FeatureData
-from .metrics import TTTStats, summed_across_ranks
+from .metrics import BlockStats, TTTStats
 from .teacher import Teacher
 from .ttt import ttt_unroll
 
@@ -79,28 +79,6 @@ def eagle3(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
     return Family(model, step, step, lambda: TTTStats(tc.ttt_steps, tc.ttt_decay), lambda s: {
         "loss": f"{s['loss']:.3f}", "acc0": f"{s['acc_step0']:.2f}", f"accept{tc.ttt_steps}_ttt":
         f"{s['accept_length']:.2f}"})
-
-
-class BlockStats:
-    """Sums of DFlash block results over micro-batches; `reduce()` adds them up across ranks."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        # [correct_k..., counted_k..., loss sum, accepted, blocks, micro-batches, tokens, padded tokens]
-        self.sums = torch.zeros(2 * block_size + 6, dtype=torch.float64)
-
-    def add(self, r: BlockResult, tokens: int, padded: int) -> None:
-        self.sums += torch.cat([r.correct.double().cpu(), r.counted.double().cpu(), torch.tensor(
-            [float(r.loss.detach()), float(r.accepted), float(r.blocks), 1.0, tokens, padded], dtype=torch.float64)])
-
-    def reduce(self) -> dict:
-        sums = summed_across_ranks(self.sums)
-        k = self.block_size
-        loss, accepted, blocks, micro_batches, tokens, padded = (float(x) for x in sums[2 * k:])
-        acc = sums[:k] / sums[k:2 * k].clamp(min=1)
-        return {"loss": loss / max(micro_batches, 1.0), "accept_length": 1.0 + accepted / max(blocks, 1.0),
-                "blocks": blocks, "tokens": tokens, "padding_fraction": 1 - tokens / max(padded, 1.0)} | \
-            {f"acc_pos{j}": float(acc[j]) for j in range(1, k)}
 
 
 def mask_token_id(cfg: EyrieConfig, vocab_size: int) -> int:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .dflash import BlockResult
 from .loader import Batch
 from .ttt import TTTResult, accept_length, ttt_unroll
 
@@ -21,6 +22,28 @@ def summed_across_ranks(sums: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(sums)
         sums = sums.cpu()
     return sums
+
+
+class BlockStats:
+    """Sums of DFlash block results over micro-batches; `reduce()` adds them up across ranks."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        # [correct_k..., counted_k..., loss sum, accepted, blocks, micro-batches, tokens, padded tokens]
+        self.sums = torch.zeros(2 * block_size + 6, dtype=torch.float64)
+
+    def add(self, r: BlockResult, tokens: int, padded: int) -> None:
+        self.sums += torch.cat([r.correct.double().cpu(), r.counted.double().cpu(), torch.tensor(
+            [float(r.loss.detach()), float(r.accepted), float(r.blocks), 1.0, tokens, padded], dtype=torch.float64)])
+
+    def reduce(self) -> dict:
+        sums = summed_across_ranks(self.sums)
+        k = self.block_size
+        loss, accepted, blocks, micro_batches, tokens, padded = (float(x) for x in sums[2 * k:])
+        acc = sums[:k] / sums[k:2 * k].clamp(min=1)
+        return {"loss": loss / max(micro_batches, 1.0), "accept_length": 1.0 + accepted / max(blocks, 1.0),
+                "blocks": blocks, "tokens": tokens, "padding_fraction": 1 - tokens / max(padded, 1.0)} | \
+            {f"acc_pos{j}": float(acc[j]) for j in range(1, k)}
 
 
 class TTTStats:
