@@ -62,9 +62,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import dflash_peers  # noqa: E402  (this script's folder is on sys.path)
-from bench_extract import matmul_tflops  # noqa: E402
-from dflash_peers import PEERS as DFLASH_PEERS  # noqa: E402
+from bench_extract import matmul_tflops  # noqa: E402  (this script's folder is on sys.path)
 
 SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, intermediate; draft vocab
     "llama3-8b": dict(Ht=4096, Vt=128256, H=4096, nh=32, kvh=8, hd=128, I=14336, Vd=32000),
@@ -147,6 +145,15 @@ class Eyrie:
                                t2d.cuda())
 
     def step(self, x: Inputs, timer) -> float:
+        loss = self.loss(x, timer)
+        with timer("backward"):
+            self.engine.backward(loss)
+        with timer("optimizer"):
+            self.engine.step()
+        return loss.item()
+
+    def loss(self, x: Inputs, timer) -> torch.Tensor:
+        """The data, teacher and forward phases of a step (a subclass trains another objective)."""
         from train.ttt import ttt_unroll
         with timer("data"):
             ids, aux, final = (t.cuda(non_blocking=True) for t in (x.ids, x.aux, x.final))
@@ -154,12 +161,7 @@ class Eyrie:
         with timer("teacher"):
             teacher = self.teacher(final)
         with timer("forward"):
-            r = ttt_unroll(self.engine, ids, aux, mask, lengths, teacher, STEPS, DECAY)
-        with timer("backward"):
-            self.engine.backward(r.loss)
-        with timer("optimizer"):
-            self.engine.step()
-        return r.loss.item()
+            return ttt_unroll(self.engine, ids, aux, mask, lengths, teacher, STEPS, DECAY).loss
 
     def close(self):
         self.engine.destroy()
@@ -336,11 +338,13 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     # Memory an earlier peer left allocated after its own clean-up below (a run of SpecForge first left its 7.6 GiB):
     # subtracted below, so each row's peak and resident are the peer's own.
     before = torch.cuda.memory_allocated()
+    import dflash_peers  # imported here, not at the top: it subclasses this module's Eyrie
     flops, inputs = useful_flops, make_inputs
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
-        if peer in DFLASH_PEERS:
-            runner, flops, inputs = DFLASH_PEERS[peer](s, ckpt), dflash_peers.useful_flops, dflash_peers.make_inputs
+        if peer in dflash_peers.PEERS:
+            runner = dflash_peers.PEERS[peer](s, ckpt)
+            flops, inputs = dflash_peers.useful_flops, dflash_peers.make_inputs
         elif peer in SPECFORGE_PEERS:
             runner = SpecForge(s, ckpt, SPECFORGE_PEERS[peer])
         else:
@@ -481,6 +485,7 @@ def main() -> None:
     a = p.parse_args()
     lengths = [int(t) for t in a.lengths.split(",")]
     peers = [p for p in a.peers.split(",") if p]  # --peers "" with --loader-samples: the loader alone
+    from dflash_peers import PEERS as DFLASH_PEERS
     known = {*EYRIE_PEERS, *SPECFORGE_PEERS, *DFLASH_PEERS}
     if set(peers) - known:  # before any GPU work
         raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from bench_train import Eyrie, Inputs  # this script's folder is on sys.path
 
 BLOCK_SIZE, ANCHORS, GAMMA, DRAFT_LAYERS = 16, 512, 7.0, 1
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,8 +32,7 @@ def target_layer_ids(num_target_layers: int = 32, draft_layers: int = DRAFT_LAYE
     return dflash_default_layer_ids(num_target_layers, draft_layers)
 
 
-def make_inputs(s: dict, T: int):
-    from bench_train import Inputs
+def make_inputs(s: dict, T: int) -> Inputs:
     g = torch.Generator().manual_seed(T)
     k = len(target_layer_ids())
     pin = torch.cuda.is_available()
@@ -57,8 +57,9 @@ def _weights(s: dict):
     return embed, (torch.randn(s["Vt"], s["Ht"], generator=g) * 0.02).bfloat16()
 
 
-class EyrieDFlash:
-    """The product's DFlash step: train/families.py's, on synthetic inputs."""
+class EyrieDFlash(Eyrie):
+    """The product's DFlash step: train/families.py's objective, on synthetic inputs; backward and optimizer as
+    Eyrie's EAGLE-3 step runs them."""
 
     def __init__(self, s: dict, activation_checkpointing: bool):
         from data.config import TrainConfig
@@ -75,22 +76,14 @@ class EyrieDFlash:
         self.embed, self.head = (t.to(DEVICE, self.dtype) for t in _weights(s))
         self.generator = torch.Generator().manual_seed(0)
 
-    def step(self, x, timer) -> float:
+    def loss(self, x: Inputs, timer) -> torch.Tensor:
         from train.dflash import dflash_objective
         with timer("data"):
             ids, aux = x.ids.to(DEVICE, non_blocking=True), x.aux.to(DEVICE, self.dtype, non_blocking=True)
             mask, lengths = torch.ones_like(ids), torch.tensor([ids.shape[1]], device=DEVICE)
         with timer("forward"):
-            r = dflash_objective(self.engine, self.embed, self.head, ids, aux, mask, lengths, ANCHORS, GAMMA,
-                                 self.generator)
-        with timer("backward"):
-            self.engine.backward(r.loss)
-        with timer("optimizer"):
-            self.engine.step()
-        return r.loss.item()
-
-    def close(self):
-        self.engine.destroy()
+            return dflash_objective(self.engine, self.embed, self.head, ids, aux, mask, lengths, ANCHORS, GAMMA,
+                                    self.generator).loss
 
 
 class SpecForgeDFlash:
