@@ -257,8 +257,9 @@ def run(cfg: EyrieConfig) -> dict | None:
                          "stage again with this target")
     layer_ids = configured_aux_layer_ids(info, cfg)
     meta = ShardMeta(kind="features", target_id=cfg.target.path, target_config_hash=info.config_hash,
-                     target_quantization=info.quantization, aux_layer_ids=layer_ids, hidden_size=info.hidden_size, dtype=dtype_name,
-                     aux_encoding=ec.aux_encoding, final_hidden=FINAL_HIDDEN, extra={"backend": backend_name})
+                     target_quantization=info.quantization, aux_layer_ids=layer_ids, hidden_size=info.hidden_size,
+                     dtype=dtype_name, aux_encoding=ec.aux_encoding, final_hidden=FINAL_HIDDEN,
+                     extra={"backend": backend_name})
     # What the shards' content depends on; a completed shard from another config is extracted again.
     config_hash = f"{cfg.section_hash('target', 'data')}-{backend_name}-{dtype_name}-{ec.samples_per_shard}" + \
         f"-{'.'.join(map(str, layer_ids))}" + \
