@@ -53,3 +53,25 @@ def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
     assert "| llama3-8b | 2,048 | eyrie | 18,618 (17,067-20,480) |  | 19.9 | 0.66 |" in text  # listed first
     assert text.index("| eyrie |") < text.index("| specforge |")
     assert "41.0% of 790 | 33.0% |" in text and "specforge-compact llama3-8b T=-: not importable" in text
+
+
+def test_options_are_compared_with_the_first_variant_paired_by_seed():
+    """A stand-in record (not a measurement: made-up accept lengths) through the drafter_options renderer."""
+    def run(seed: int, accept: float, tau: float) -> dict:
+        return {"seed": seed, "accept_length": accept, "offline_accept_length": accept, "formula": "tokens / verify",
+                "heldout_overlap_with_training": 0, "train_steps": 75, "lossless": True,
+                "groups": {"sampled": {"prompts": 16, "completion_tokens": 290, "reference_decoder": accept,
+                                       "offline_tau_by_steps": [1.5, tau], "heldout_samples": 20,
+                                       "heldout_tokens": 1200}}}
+    record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python compare_options.py"],
+              "environment": {"device": ["cpu"], "cpu_count": 2, "python": "3.12", "versions": {"torch": "2"}},
+              "results": {"config": "demo.yaml", "extra_arguments": [], "seeds": [0, 1, 2], "variants": {
+                  "plain": {"overrides": [], "runs": [run(0, 2.5, 2.0), run(1, 2.4, 2.1), run(2, 2.6, 2.2)]},
+                  "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"],
+                              "runs": [run(0, 2.7, 1.9), run(1, 2.5, 2.3), run(2, 2.9, 2.2)]}}}}
+    text = "\n".join(render_results.render_drafter_options(record))
+    # accept length: paired differences +0.2, +0.1, +0.3 → all above 0; tau: -0.1, +0.2, 0.0 → holds 0
+    assert "| plain | `-` | 2.500 (2.400-2.600) |  | 2.100 (2.000-2.200) |  |" in text
+    assert "| fc_norm | `--train.drafter.fc_norm=true` | 2.700 (2.500-2.900) | +0.200 (+0.100 to +0.300) | " \
+           "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
+    assert "same steps (75), held-out overlap with training 0" in text

@@ -159,7 +159,44 @@ def render_train_step(record: dict) -> list[str]:
     return out + [""]
 
 
-RENDERERS = {"mission": render_mission, "smoke": render_smoke, "train_step": render_train_step}
+def render_drafter_options(record: dict) -> list[str]:
+    """Accept lengths of one drafter trained with and without options (tests/benchmarks/compare_options.py)."""
+    r = record["results"]
+    variants = r["variants"]
+    base_name = next(iter(variants))
+    base = {run["seed"]: run for run in variants[base_name]["runs"]}
+    first = base[r["seeds"][0]]
+    group = next(iter(first["groups"]))
+    steps = len(first["groups"][group]["offline_tau_by_steps"])
+    out = [f"## Drafter options compared: `{r['config']}` ({record['date']})", ""] + provenance(record)
+    out += [f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}) on the same data and features "
+            f"for the same steps ({first['train_steps']}), held-out overlap with training "
+            f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
+            f"Reference decoder: {first['formula']}. Offline tau: over every position of the '{group}' held-out "
+            f"group ({first['groups'][group]['heldout_tokens']:,} tokens), {steps} steps. Medians (min-max) over the "
+            f"seeds; the difference to `{base_name}` is paired by seed, and a range that holds 0 reads \"no "
+            "measurable difference\".", "",
+            "| variant | overrides | accept length, reference decoder | difference | offline tau | difference |",
+            "|---|---|---|---|---|---|"]
+
+    def paired(runs: list[dict], value) -> tuple[str, str]:
+        values = [value(run) for run in runs]
+        if runs is variants[base_name]["runs"]:
+            return fmt(spread(values), 3), ""
+        diffs = spread([value(run) - value(base[run["seed"]]) for run in runs])
+        held = diffs["min"] <= 0 <= diffs["max"]
+        return fmt(spread(values), 3), ("no measurable difference: " if held else "") + f"{diffs['median']:+.3f} " \
+            f"({diffs['min']:+.3f} to {diffs['max']:+.3f})"
+    for name, v in variants.items():
+        decoder = paired(v["runs"], lambda run: run["accept_length"])
+        tau = paired(v["runs"], lambda run: run["groups"][group]["offline_tau_by_steps"][-1])
+        out.append(f"| {name} | `{' '.join(v['overrides']) or '-'}` | {decoder[0]} | {decoder[1]} | {tau[0]} | "
+                   f"{tau[1]} |")
+    return out + [""]
+
+
+RENDERERS = {"mission": render_mission, "smoke": render_smoke, "train_step": render_train_step,
+             "drafter_options": render_drafter_options}
 
 
 def render(results: Path = RESULTS) -> str:

@@ -1,0 +1,87 @@
+"""Train one drafter with and without options on the same data and seeds, and compare its held-out accept lengths
+(e.g. EAGLE-3.1's fc_norm / norm_output against plain EAGLE-3). Writes one results file of kind `drafter_options`.
+
+    python tests/benchmarks/compare_options.py --config launch/configs/demo.yaml --run-dir runs/options \\
+        --variant plain= --variant fc_norm=--train.drafter.fc_norm=true --seeds 0,1,2 \\
+        --record eagle31-demo-DATE [--note "..."] [-- extra pipeline arguments]
+
+Each (variant, seed) is one pipeline invocation (data,extract,train,export,evaluate) on the same run directory:
+data and extract run once, since their inputs do not change; train, export and evaluate run again for each (the
+pipeline sets the previous drafter run aside). Each report is kept as RUN/options/VARIANT-seedS.json, and an
+invocation whose report exists is not run again (a comparison cut off by a time limit resumes). A variant's
+difference to the first variant is paired by seed: same data, same initialisation seed, same steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from data.environment import environment  # noqa: E402
+from record_mission import RESULTS, write_record  # noqa: E402  (this script's folder is on sys.path)
+
+STAGES = "data,extract,train,export,evaluate"
+
+
+def run_variant(config: str, run_dir: Path, overrides: list[str], seed: int, extra: list[str]) -> dict:
+    command = [sys.executable, "-m", "launch.pipeline", "--config", config, "--run_dir", str(run_dir),
+               "--stages", STAGES, "--seed", str(seed), *overrides, *extra]
+    print(f"[options] {shlex.join(command)}", flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def summary(report: dict) -> dict:
+    """What one drafter scored: the reference decoder's accept length on the primary group's prompts and the
+    offline tau over every held-out position of each group."""
+    return {"accept_length": report["accept_length"], "offline_accept_length": report["offline_accept_length"],
+            "formula": report["accept_length_formula"],
+            "heldout_overlap_with_training": report["heldout"]["heldout_overlap_with_training"],
+            "train_steps": report["train"]["steps"], "lossless": report["lossless"],
+            "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder", "offline_tau_by_steps",
+                                             "heldout_samples", "heldout_tokens")}
+                       for g, v in report["accept_length_by_group"].items()}}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=OVERRIDES",
+                   help="a name and its pipeline overrides (space-separated; empty for the baseline); the first "
+                        "variant is the one the others are compared with")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--record", required=True, help="the results file's name")
+    p.add_argument("--note", action="append", default=[], help="what a reader must know (repeat)")
+    p.add_argument("--out", default=str(RESULTS))
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    variants = dict((v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in a.variant)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    run_dir = Path(a.run_dir)
+    kept = run_dir / "options"
+    kept.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name, overrides in variants.items():
+        for seed in seeds:
+            path = kept / f"{name}-seed{seed}.json"
+            if not path.exists():
+                path.write_text(json.dumps(run_variant(a.config, run_dir, overrides, seed, extra), indent=1))
+            runs.setdefault(name, []).append({"seed": seed} | summary(json.loads(path.read_text())))
+    command = shlex.join([sys.executable, *map(str, [Path(__file__).relative_to(ROOT), *argv])])
+    record = {"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(), "commands": [command],
+              "commit": environment()["commit"], "environment": environment(), "notes": a.note, "invalid": {},
+              "results": {"config": a.config, "extra_arguments": extra, "seeds": seeds,
+                          "variants": {name: {"overrides": variants[name], "runs": runs[name]} for name in variants}}}
+    return write_record(record, a.out)
+
+
+if __name__ == "__main__":
+    main()
