@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,13 +146,34 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(args: list[str], port: int, log: Path, timeout: float, stopped: dict | None = None):
-    """A ready server, stopped on leaving (also on errors); `stopped` receives what the stop checked."""
-    server = Server(args, port, log, timeout)
+def sigterm_raises():
+    """While inside, SIGTERM raises SystemExit(143) in this (main) thread, so that `finally` blocks run: `timeout`,
+    Slurm's time limit and preemption stop a job with SIGTERM, and Python's default action ends the process
+    without them. A server left running then holds the port and the GPU memory, and the next server (a smoke test
+    resumed by the next time-limited command) cannot start."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can set handlers
+        yield
+        return
+
+    def raise_exit(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, raise_exit)
     try:
-        server.wait_ready()
-        yield server
+        yield
     finally:
-        released = server.stop()
-        if stopped is not None:
-            stopped |= released
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def serving(args: list[str], port: int, log: Path, timeout: float, stopped: dict | None = None):
+    """A ready server, stopped on leaving (also on errors, and on SIGTERM); `stopped` receives what the stop
+    checked."""
+    with sigterm_raises():
+        server = Server(args, port, log, timeout)
+        try:
+            server.wait_ready()
+            yield server
+        finally:
+            released = server.stop()
+            if stopped is not None:
+                stopped |= released

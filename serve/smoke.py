@@ -89,12 +89,43 @@ def sglang_auto_dtype(declared: str | None) -> str:
     return "float16" if declared in (None, "float32") else declared
 
 
-def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> None:
-    """Fail before any server starts where SGLang would serve the drafter and the target in different dtypes: the
-    draft layer then gets mixed inputs and the EAGLE3 server dies capturing its CUDA graphs ("expected mat1 and
-    mat2 to have the same dtype"). An explicit --dtype sets both; an Eyrie export declares its target's dtype."""
-    if any(arg == "--dtype" or arg.startswith("--dtype=") for arg in server_args):
-        return
+# SGLang 0.5.14 casts every batch of input embeddings to bfloat16 (ModelRunner._extend_forward_kwargs), and the
+# DFlash draft forward passes its block's embeddings that way: a DFlash drafter served in float16 fails at its
+# first block ("expected mat1 and mat2 to have the same dtype, but got: c10::BFloat16 != c10::Half", on an H100).
+DFLASH_DTYPE = "bfloat16"
+
+
+def explicit_dtype(server_args: list[str]) -> str | None:
+    """The value of a `--dtype X` or `--dtype=X` among the server arguments (the last one wins, as in argparse)."""
+    found = None
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--dtype="):
+            found = arg.split("=", 1)[1]
+        elif arg == "--dtype" and i + 1 < len(server_args):
+            found = server_args[i + 1]
+    return found
+
+
+def served_dtype_args(target: str, drafter: str, server_args: list[str]) -> list[str]:
+    """The `--dtype` every server needs, added to the user's server arguments; checked before any server starts.
+    A DFlash drafter is served in bfloat16 (above), the plain server too so that both compute alike. Otherwise each
+    model's `--dtype auto` comes from its own config.json, and where SGLang would serve the drafter and the target
+    in different dtypes the draft layer gets mixed inputs and the EAGLE3 server dies capturing its CUDA graphs
+    ("expected mat1 and mat2 to have the same dtype"): refused here. An Eyrie export declares its target's dtype."""
+    from .dflash_dir import is_dflash_dir
+    explicit = explicit_dtype(server_args)
+    if is_dflash_dir(drafter):
+        if explicit is None:
+            print(f"[smoke] {drafter} is a DFlash drafter: serving with --dtype {DFLASH_DTYPE} (SGLang 0.5.14 feeds "
+                  "its blocks' embeddings in bfloat16), the plain server too", flush=True)
+            return ["--dtype", DFLASH_DTYPE]
+        if explicit not in (DFLASH_DTYPE, "bf16"):
+            raise SystemExit(f"--dtype {explicit}: SGLang 0.5.14 serves a DFlash drafter in {DFLASH_DTYPE} only (its "
+                             "model runner casts the block embeddings to bfloat16, and the drafter's float16 weights "
+                             f"then fail); pass --server-arg=--dtype={DFLASH_DTYPE} or leave --dtype out")
+        return []
+    if explicit is not None:
+        return []
     declared = {"target": load_target_info(target).dtype,
                 "drafter": declared_dtype(json.loads((Path(drafter) / "config.json").read_text()))}
     served = {k: sglang_auto_dtype(v) for k, v in declared.items()}
@@ -103,6 +134,7 @@ def check_served_dtypes(target: str, drafter: str, server_args: list[str]) -> No
                          f"{declared['target']}: SGLang would serve the drafter in {served['drafter']} and the target "
                          f"in {served['target']}, and the EAGLE3 server fails on the mixed dtypes. Pass "
                          f"--server-arg=--dtype={served['drafter']} (or re-export the drafter for this target)")
+    return []
 
 
 def server_key(command: list[str], groups: dict[str, list[list[int]]], settings: list, concurrency: list[int],
@@ -373,7 +405,7 @@ def print_reference(reference: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
-    check_served_dtypes(a.target, a.drafter, a.server_arg)  # now, not after minutes of server start-up
+    a.server_arg += served_dtype_args(a.target, a.drafter, a.server_arg)  # now, not after server start-up
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     groups = prompt_groups(a)

@@ -1,6 +1,9 @@
 """The smoke test's arithmetic on CPU; the servers themselves only on a GPU machine."""
 import json
+import os
 import shutil
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,8 @@ import torch
 from serve.sglang_server import decode_graph_args
 from serve.smoke import accept_length, compare_with_run, cycle_costs, measured_once, server_key
 from serve.timing import NO_DIFFERENCE, decode_ms, ratio, spread, timed_pass, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_accept_length_is_tokens_per_verify_step_over_all_requests():
@@ -208,16 +213,31 @@ def test_a_dflash_drafter_is_served_with_its_own_block_size(tiny_target, tmp_pat
 
 
 def test_mixed_served_dtypes_fail_before_any_server_starts(tiny_target, tmp_path):
-    from serve.smoke import check_served_dtypes
+    from serve.smoke import served_dtype_args
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))  # the target declares float32
     with pytest.raises(SystemExit, match="drafter in bfloat16 and the target in float16.*--dtype=bfloat16"):
-        check_served_dtypes(str(tiny_target), str(drafter), ["--attention-backend=triton"])
-    check_served_dtypes(str(tiny_target), str(drafter), ["--dtype=bfloat16"])  # one dtype for both: fine
-    check_served_dtypes(str(tiny_target), str(drafter), ["--dtype", "float16"])
+        served_dtype_args(str(tiny_target), str(drafter), ["--attention-backend=triton"])
+    assert served_dtype_args(str(tiny_target), str(drafter), ["--dtype=bfloat16"]) == []  # one dtype for both
+    assert served_dtype_args(str(tiny_target), str(drafter), ["--dtype", "float16"]) == []
     (drafter / "config.json").write_text(json.dumps({"dtype": "float32"}))
-    check_served_dtypes(str(tiny_target), str(drafter), [])  # both served in float16
+    assert served_dtype_args(str(tiny_target), str(drafter), []) == []  # both served in float16
+
+
+def test_a_dflash_drafter_is_served_in_bfloat16(tiny_target, tmp_path):
+    """SGLang 0.5.14 feeds a DFlash block's embeddings in bfloat16: served in float16 (the demo's float32 configs
+    under --dtype auto), the DFlash server died at its first block on an H100. bfloat16 is added for every server
+    unless the user chose it; another explicit dtype is refused before any server starts."""
+    from serve.dflash_dir import SGLANG_CLASS
+    from serve.smoke import served_dtype_args
+    drafter = tmp_path / "dflash"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": [SGLANG_CLASS], "dtype": "float32"}))
+    assert served_dtype_args(str(tiny_target), str(drafter), ["--attention-backend=triton"]) == ["--dtype", "bfloat16"]
+    assert served_dtype_args(str(tiny_target), str(drafter), ["--dtype", "bfloat16"]) == []
+    with pytest.raises(SystemExit, match="--dtype float16: SGLang 0.5.14 serves a DFlash drafter in bfloat16 only"):
+        served_dtype_args(str(tiny_target), str(drafter), ["--dtype=bfloat16", "--dtype", "float16"])
 
 
 def test_decode_graphs_cover_each_concurrency_in_few_sizes_and_a_users_list_wins():
@@ -393,3 +413,38 @@ def test_streamed_steps_are_timed_as_they_arrive(chunked):
     gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
     assert all(0.018 < gap < 0.06 for gap in gaps), gaps  # timed as they arrived, not at the end
     assert 17.5 <= decode_ms(chunks, speculative=True) < 40  # at least 140 ms over 8 cycles  # 20 ms over the two cycles that arrived together
+
+
+def test_a_process_stopped_by_sigterm_stops_its_server_and_frees_the_port(tmp_path):
+    """`timeout` (tests/benchmarks/mission.sh's time-limited commands) and Slurm stop a smoke test with SIGTERM; the
+    server it had started must go with it. Seen on an H100: a DFlash server left running by a smoke test that
+    `timeout` ended held port 30000, and the next command's EAGLE3 server could not bind it. The server here is a
+    stand-in, not SGLang: Python's http.server answering /health_generate, started through serve.sglang_server."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from serve.sglang_server import port_free
+    (tmp_path / "health_generate").write_text("ok")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = f"""
+import sys, time
+import serve.sglang_server as sglang_server
+sglang_server.server_command = lambda port, args: [sys.executable, "-m", "http.server", str(port), "--bind",
+                                                   "127.0.0.1", "--directory", {str(tmp_path)!r}]
+with sglang_server.serving([], {port}, {str(tmp_path / 'server.log')!r}, timeout=60) as server:
+    print(server.proc.pid, flush=True)
+    time.sleep(120)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server_pid = int(proc.stdout.readline())
+    assert not port_free(port)  # the stand-in server is up
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server_pid, 0)  # its whole process group is gone
+    assert port_free(port)
