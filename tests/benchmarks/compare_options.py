@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> Path:
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     variants = dict((v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in a.variant)
     seeds = [int(s) for s in a.seeds.split(",")]
+    measured_at = environment()  # now: the commit that trains, not whatever HEAD is when the last run ends
     run_dir = Path(a.run_dir)
     kept = run_dir / "options"
     kept.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> Path:
             runs.setdefault(name, []).append({"seed": seed} | summary(json.loads(path.read_text())))
     command = shlex.join([sys.executable, *map(str, [Path(__file__).relative_to(ROOT), *argv])])
     record = {"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(), "commands": [command],
-              "commit": environment()["commit"], "environment": environment(), "notes": a.note, "invalid": {},
+              "commit": measured_at["commit"], "environment": measured_at, "notes": a.note, "invalid": {},
               "results": {"config": a.config, "extra_arguments": extra, "seeds": seeds,
                           "variants": {name: {"overrides": variants[name], "runs": runs[name]} for name in variants}}}
     return write_record(record, a.out)
