@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> Path:
             if not path.exists():
                 path.write_text(json.dumps(run_variant(a.config, run_dir, overrides, seed, extra), indent=1))
             runs.setdefault(name, []).append({"seed": seed} | summary(json.loads(path.read_text())))
-    command = shlex.join([sys.executable, *map(str, [Path(__file__).relative_to(ROOT), *argv])])
+    command = shlex.join(["python", str(Path(__file__).relative_to(ROOT)), *argv])
     record = {"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(), "commands": [command],
               "commit": measured_at["commit"], "environment": measured_at, "notes": a.note, "invalid": {},
               "results": {"config": a.config, "extra_arguments": extra, "seeds": seeds,
