@@ -58,7 +58,7 @@ def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
 def test_options_are_compared_with_the_first_variant_paired_by_seed():
     """A stand-in record (not a measurement: made-up accept lengths) through the drafter_options renderer."""
     def run(seed: int, accept: float, tau: float) -> dict:
-        return {"seed": seed, "accept_length": accept, "offline_accept_length": accept, "formula": "tokens / verify",
+        return {"seed": seed, "commit": "0" * 40, "accept_length": accept, "offline_accept_length": accept, "formula": "tokens / verify",
                 "heldout_overlap_with_training": 0, "train_steps": 75, "lossless": True,
                 "groups": {"sampled": {"prompts": 16, "completion_tokens": 290, "reference_decoder": accept,
                                        "offline_tau_by_steps": [1.5, tau], "heldout_samples": 20,

@@ -7,9 +7,10 @@
 
 Each (variant, seed) is one pipeline invocation (data,extract,train,export,evaluate) on the same run directory:
 data and extract run once, since their inputs do not change; train, export and evaluate run again for each (the
-pipeline sets the previous drafter run aside). Each report is kept as RUN/options/VARIANT-seedS.json, and an
-invocation whose report exists is not run again (a comparison cut off by a time limit resumes). A variant's
-difference to the first variant is paired by seed: same data, same initialisation seed, same steps.
+pipeline sets the previous drafter run aside as RUN/train.prev-N: delete those where disk is short). Each report
+is kept as RUN/options/VARIANT-seedS.json, and an invocation whose report exists is not run again (a comparison
+cut off by a time limit resumes, and a variant added later runs alone). A variant's difference to the first
+variant is paired by seed: same data, same initialisation seed, same steps.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def run_variant(config: str, run_dir: Path, overrides: list[str], seed: int, ext
 def summary(report: dict) -> dict:
     """What one drafter scored: the reference decoder's accept length on the primary group's prompts and the
     offline tau over every held-out position of each group."""
-    return {"accept_length": report["accept_length"], "offline_accept_length": report["offline_accept_length"],
+    return {"commit": report["commit"], "accept_length": report["accept_length"], "offline_accept_length": report["offline_accept_length"],
             "formula": report["accept_length_formula"],
             "heldout_overlap_with_training": report["heldout"]["heldout_overlap_with_training"],
             "train_steps": report["train"]["steps"], "lossless": report["lossless"],
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> Path:
     for name, overrides in variants.items():
         for seed in seeds:
             path = kept / f"{name}-seed{seed}.json"
-            if not path.exists():
-                path.write_text(json.dumps(run_variant(a.config, run_dir, overrides, seed, extra), indent=1))
+            if not path.exists():  # kept with the commit that trained it: a resumed comparison may span commits
+                report = run_variant(a.config, run_dir, overrides, seed, extra)
+                path.write_text(json.dumps(report | {"commit": measured_at["commit"]}, indent=1))
             runs.setdefault(name, []).append({"seed": seed} | summary(json.loads(path.read_text())))
     command = shlex.join(["python", str(Path(__file__).relative_to(ROOT)), *argv])
     record = {"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(), "commands": [command],
