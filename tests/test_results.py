@@ -65,7 +65,7 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
                                        "heldout_tokens": 1200}}}
     record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python compare_options.py"],
               "environment": {"device": ["cpu"], "cpu_count": 2, "python": "3.12", "versions": {"torch": "2"}},
-              "results": {"config": "demo.yaml", "extra_arguments": [], "seeds": [0, 1, 2], "variants": {
+              "results": {"config": "demo.yaml", "extra_arguments": ["--train.drafter.arch=mla"], "seeds": [0, 1, 2], "variants": {
                   "plain": {"overrides": [], "runs": [run(0, 2.5, 2.0), run(1, 2.4, 2.1), run(2, 2.6, 2.2)]},
                   "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"],
                               "runs": [run(0, 2.7, 1.9), run(1, 2.5, 2.3), run(2, 2.9, 2.2)]}}}}
@@ -74,4 +74,5 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
     assert "| plain | `-` | 2.500 (2.400-2.600) |  | 2.100 (2.000-2.200) |  |" in text
     assert "| fc_norm | `--train.drafter.fc_norm=true` | 2.700 (2.500-2.900) | +0.200 (+0.100 to +0.300) | " \
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
+    assert "(0, 1, 2) with `--train.drafter.arch=mla` on the same data" in text
     assert "same steps (75), held-out overlap with training 0" in text
