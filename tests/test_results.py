@@ -58,17 +58,18 @@ def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
 def test_options_are_compared_with_the_first_variant_paired_by_seed():
     """A stand-in record (not a measurement: made-up accept lengths) through the drafter_options renderer."""
     def run(seed: int, accept: float, tau: float) -> dict:
-        return {"seed": seed, "commit": "0" * 40, "accept_length": accept, "offline_accept_length": accept, "formula": "tokens / verify",
-                "heldout_overlap_with_training": 0, "train_steps": 75, "lossless": True,
+        return {"seed": seed, "commit": "0" * 40, "accept_length": accept, "offline_accept_length": accept,
+                "formula": "tokens / verify", "heldout_overlap_with_training": 0, "train_steps": 75, "lossless": True,
                 "groups": {"sampled": {"prompts": 16, "completion_tokens": 290, "reference_decoder": accept,
                                        "offline_tau_by_steps": [1.5, tau], "heldout_samples": 20,
                                        "heldout_tokens": 1200}}}
+    variants = {"plain": {"overrides": [], "runs": [run(0, 2.5, 2.0), run(1, 2.4, 2.1), run(2, 2.6, 2.2)]},
+                "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"],
+                            "runs": [run(0, 2.7, 1.9), run(1, 2.5, 2.3), run(2, 2.9, 2.2)]}}
     record = {"name": "stand-in", "date": "2026-12-06", "commit": "0" * 40, "commands": ["python compare_options.py"],
               "environment": {"device": ["cpu"], "cpu_count": 2, "python": "3.12", "versions": {"torch": "2"}},
-              "results": {"config": "demo.yaml", "extra_arguments": ["--train.drafter.arch=mla"], "seeds": [0, 1, 2], "variants": {
-                  "plain": {"overrides": [], "runs": [run(0, 2.5, 2.0), run(1, 2.4, 2.1), run(2, 2.6, 2.2)]},
-                  "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"],
-                              "runs": [run(0, 2.7, 1.9), run(1, 2.5, 2.3), run(2, 2.9, 2.2)]}}}}
+              "results": {"config": "demo.yaml", "extra_arguments": ["--train.drafter.arch=mla"], "seeds": [0, 1, 2],
+                          "variants": variants}}
     text = "\n".join(render_results.render_drafter_options(record))
     # accept length: paired differences +0.2, +0.1, +0.3 → all above 0; tau: -0.1, +0.2, 0.0 → holds 0
     assert "| plain | `-` | 2.500 (2.400-2.600) |  | 2.100 (2.000-2.200) |  |" in text

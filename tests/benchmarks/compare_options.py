@@ -41,12 +41,12 @@ def run_variant(config: str, run_dir: Path, overrides: list[str], seed: int, ext
 def summary(report: dict) -> dict:
     """What one drafter scored: the reference decoder's accept length on the primary group's prompts and the
     offline tau over every held-out position of each group."""
-    return {"commit": report["commit"], "accept_length": report["accept_length"], "offline_accept_length": report["offline_accept_length"],
-            "formula": report["accept_length_formula"],
+    return {"commit": report["commit"], "accept_length": report["accept_length"],
+            "offline_accept_length": report["offline_accept_length"], "formula": report["accept_length_formula"],
             "heldout_overlap_with_training": report["heldout"]["heldout_overlap_with_training"],
             "train_steps": report["train"]["steps"], "lossless": report["lossless"],
-            "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder", "offline_tau_by_steps",
-                                             "heldout_samples", "heldout_tokens")}
+            "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder",
+                                             "offline_tau_by_steps", "heldout_samples", "heldout_tokens")}
                        for g, v in report["accept_length_by_group"].items()}}
 
 

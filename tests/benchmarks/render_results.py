@@ -170,8 +170,8 @@ def render_drafter_options(record: dict) -> list[str]:
     steps = len(first["groups"][group]["offline_tau_by_steps"])
     out = [f"## Drafter options compared: `{r['config']}` ({record['date']})", ""] + provenance(record)
     every = f" with `{' '.join(r['extra_arguments'])}`" if r["extra_arguments"] else ""
-    out += [f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} on the same data and features "
-            f"for the same steps ({first['train_steps']}), held-out overlap with training "
+    out += [f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} on the same data and "
+            f"features for the same steps ({first['train_steps']}), held-out overlap with training "
             f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
             f"Reference decoder: {first['formula']}. Offline tau: over every position of the '{group}' held-out "
             f"group ({first['groups'][group]['heldout_tokens']:,} tokens), {steps} steps. Medians (min-max) over the "
