@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -425,11 +424,10 @@ def test_a_process_stopped_by_sigterm_stops_its_server_and_frees_the_port(tmp_pa
     import sys
     import time
 
+    from launch.pipeline import free_port
     from serve.sglang_server import port_free
     (tmp_path / "health_generate").write_text("ok")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = f"""
 import sys, time
 import serve.sglang_server as sglang_server
