@@ -129,23 +129,29 @@ def render_smoke(record: dict) -> list[str]:
 def render_train_step(record: dict) -> list[str]:
     r = record["results"]
     shapes = ", ".join(dict.fromkeys(row["shape"] for row in r["rows"]))
-    out = [f"## Drafter training step, side by side with SpecForge: {shapes} ({record['date']})", ""]
+    dflash = any(row["peer"].endswith("-dflash") for row in r["rows"])
+    family = "DFlash drafter" if dflash else "Drafter"
+    out = [f"## {family} training step, side by side with SpecForge: {shapes} ({record['date']})", ""]
     out += provenance(record)
+    if dflash:
+        out += ["DFlash steps: blocks of 16 at 512 anchors, tokens/s counting the T context tokens "
+                "(tests/benchmarks/dflash_peers.py says what each peer runs).", ""]
     out += [f"One GPU; each peer in a process of its own on the same random inputs; {r['steps']} timed steps per row "
             "after an untimed one: tokens/s median (min-max over the steps), the ratio to Eyrie's (Eyrie / peer, "
             "median over median, range pairing the extremes). Peak: max allocated over the timed steps, weights and "
             "optimizer state included. MFU: useful FLOPs / step time against the bf16 matmul rate measured in the "
             f"row's process and against the dense bf16 peak ({r['dense_bf16_peak_tflops']:g} TFLOP/s).", "",
-            "Peak / SpecForge's lower: the row's peak over the lower of SpecForge's two peaks at that shape and "
-            "length (default, compact_teacher), the figure the memory goal is judged by.", "",
+            "Peak / SpecForge's lower: the row's peak over the lower of SpecForge's peaks at that shape and "
+            "length (default and compact_teacher where both ran), the figure the memory goal is judged by.", "",
             "| shape | T | peer | tokens/s | Eyrie / peer | peak GiB | peak / SpecForge's lower | resident GiB | "
             "MFU (measured rate) | MFU (dense peak) |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = [row for row in r["rows"] if "error" not in row]
     shapes, peers = list(dict.fromkeys(row["shape"] for row in rows)), list(dict.fromkeys(row["peer"] for row in rows))
-    rows.sort(key=lambda row: (shapes.index(row["shape"]), row["T"], row["peer"] != "eyrie", peers.index(row["peer"])))
+    rows.sort(key=lambda row: (shapes.index(row["shape"]), row["T"], not row["peer"].startswith("eyrie"),
+                               peers.index(row["peer"])))
     for row in rows:
         same = [e for e in rows if e["shape"] == row["shape"] and e["T"] == row["T"]]
-        eyrie = next((e for e in same if e["peer"] == "eyrie"), None)
+        eyrie = next((e for e in same if e["peer"] == ("eyrie-dflash" if dflash else "eyrie")), None)
         versus = "" if eyrie is None or row is eyrie else \
             speedup([row["T"] / t for t in eyrie["step_seconds"]], [row["T"] / t for t in row["step_seconds"]])
         specforge_peaks = [e["peak_gib"] for e in same if e["peer"].startswith("specforge")]
