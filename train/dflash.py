@@ -25,7 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from .fused import RMSNorm, SwiGLUMLP
+from .fused import RMSNorm, SwiGLUMLP, frozen_head_cross_entropy
 from .teacher import Teacher
 
 SGLANG_CLASS = "DFlashDraftModel"
@@ -223,17 +223,17 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
         * loss_mask.gather(1, at).view(B, N, bs).float()
     if gamma:
         weight = weight * torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-    logits = (hidden @ lm_head.to(hidden.dtype).T).float().view(B, N, bs, -1)
     if teacher is None:
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, bs)
+        target = labels.flatten()
     else:  # block position k's token follows position anchor + k - 1, whose final state the teacher reads
         before = (positions - 1).clamp(min=0, max=T - 1)
         states = final_hidden.gather(1, before[..., None].expand(-1, -1, final_hidden.shape[-1]))
-        probs = teacher(states).probs.float().view(B, N, bs, -1)
-        ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1)
-    loss = torch.where(weight > 0, ce * weight, 0.0).sum() / weight.sum().clamp(min=1e-6)
+        target = teacher(states).probs.flatten(0, 1)
+    # the head is the target's and frozen: the loss is chunked and no [blocks x bs, vocab] logits are kept
+    loss, argmax = frozen_head_cross_entropy(hidden.flatten(0, 1), lm_head.to(hidden.dtype), target,
+                                             (weight / weight.sum().clamp(min=1e-6)).flatten())
     with torch.no_grad():
         scored = weight > 0
-        hit = (logits.argmax(-1) == labels) & scored
+        hit = (argmax.view(B, N, bs) == labels) & scored
         run = (hit | ~scored)[..., 1:].long().cumprod(-1) * scored[..., 1:]         # accepted in a row
         return BlockResult(loss, hit.sum((0, 1)), scored.sum((0, 1)), run.sum(), keep.sum())

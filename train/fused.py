@@ -55,6 +55,15 @@ def _soft_ce_chunk(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> tuple[t
     return loss, ((log_probs.exp() - p) * w[:, None]).to(x.dtype)
 
 
+@on_cuda_compiled
+def _hard_ce_chunk(x: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_soft_ce_chunk with a one-hot target: the labels' ids instead of a [rows, vocab] distribution."""
+    log_probs = torch.log_softmax(x.float(), dim=-1)
+    loss = (-log_probs.gather(1, labels[:, None]).squeeze(1) * w).sum()
+    hot = torch.arange(x.shape[-1], device=x.device)[None] == labels[:, None]
+    return loss, ((log_probs.exp() - hot.float()) * w[:, None]).to(x.dtype)
+
+
 def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
     """(start, end) row ranges whose fp32 [rows, vocab] temporaries stay within CHUNK_ELEMENTS."""
     chunk = max(1, CHUNK_ELEMENTS // vocab)
@@ -138,6 +147,45 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         if grad_w is None:  # no scored rows
             grad_w = torch.zeros_like(weight)
         return grad_x, grad_w.to(weight.dtype), None, None
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Σ_t w_t · CE(x_t @ head.T, target_t) for a head that does not train (the target's, which a DFlash drafter's
+    blocks are read by), chunked over rows: the gradient w.r.t. x, (softmax - target) · w @ head, is made in
+    forward chunk by chunk and kept ([rows, H]), so no [rows, vocab] tensor outlives its chunk. Autograd's plain
+    graph kept the bf16 logits, their fp32 copy, the fp32 log-softmax and the fp32 gradient: ~14 bytes per entry,
+    13 GiB of a llama3-8b DFlash step's peak at 512 blocks of 16 (tests/benchmarks/RESULTS.md). Same matmuls.
+    target: labels [rows] (long) or a distribution [rows, vocab]. Returns the loss and each row's argmax."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, head: torch.Tensor, target: torch.Tensor, w: torch.Tensor):
+        x, head, w = x.detach(), head.detach(), w.float()
+        grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        argmax = torch.empty(len(x), dtype=torch.long, device=x.device)
+        total = x.new_zeros((), dtype=torch.float32)
+        chunk_loss = _hard_ce_chunk if target.dtype == torch.long else _soft_ce_chunk
+        for s, e in _chunks(len(x), head.shape[0]):
+            logits = F.linear(x[s:e], head)
+            argmax[s:e] = logits.argmax(-1)
+            loss, g = chunk_loss(logits, target[s:e], w[s:e])
+            total += loss
+            if grad is not None:
+                grad[s:e] = g @ head
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_argmax):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None
+
+
+def frozen_head_cross_entropy(x: torch.Tensor, head: torch.Tensor, target: torch.Tensor,
+                              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_t weight_t · CE(x[t] @ head.T, target[t]) in fp32, argmax of each row's logits); x [N, H], head [V, H]
+    (gets no gradient), target: labels [N] or a distribution [N, V]; weight [N]."""
+    return _FrozenHeadCrossEntropy.apply(x, head, target, weight)
 
 
 class DraftHead(nn.Linear):

@@ -40,6 +40,31 @@ def test_soft_cross_entropy_matches_autograd(monkeypatch, dtype, tol, chunk_rows
     assert (logits.grad.view(14, 50)[~weight.flatten()] == 0).all()  # unweighted tokens get no gradient
 
 
+@pytest.mark.parametrize("soft", [False, True], ids=["labels", "distribution"])
+@pytest.mark.parametrize("chunk_rows", [3, 14], ids=["several chunks, the last one short", "one chunk"])
+def test_frozen_head_cross_entropy_matches_autograd(monkeypatch, soft, chunk_rows):
+    """DFlash's loss through the target's head: the same loss, x-gradient and argmax as autograd's plain graph,
+    keeping only an x-sized gradient (the plain graph keeps [rows, vocab] fp32 tensors)."""
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_rows * 50)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(14, 16, generator=g).requires_grad_()
+    head = torch.randn(50, 16, generator=g)
+    target = torch.softmax(torch.randn(14, 50, generator=g) * 2, -1) if soft else \
+        torch.randint(0, 50, (14,), generator=g)
+    weight = torch.rand(14, generator=g) * (torch.rand(14, generator=g) > 0.3)
+    ref_x = x.detach().clone().requires_grad_()
+    logits = ref_x @ head.T
+    ce = -(target * F.log_softmax(logits, -1)).sum(-1) if soft else F.cross_entropy(logits, target, reduction="none")
+    ((ce * weight).sum() * 0.7).backward()
+    ours_bytes, (ours, argmax) = saved_bytes(lambda: fused.frozen_head_cross_entropy(x, head, target, weight))
+    (ours * 0.7).backward()
+    torch.testing.assert_close(ours, (ce * weight).sum().detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(argmax, logits.argmax(-1)) and ref_x.grad.abs().sum() > 0
+    assert ours_bytes == x.numel() * x.element_size()  # the x-sized gradient, nothing vocabulary-sized
+    assert (x.grad[weight == 0] == 0).all()
+
+
 def test_swiglu_mlp_matches_llama_mlp():
     config = LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, hidden_act="silu", mlp_bias=False)
     ref, ours = LlamaMLP(config), fused.SwiGLUMLP(16, 40)
