@@ -60,8 +60,9 @@ def _hard_ce_chunk(x: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> tu
     """_soft_ce_chunk with a one-hot target: the labels' ids instead of a [rows, vocab] distribution."""
     log_probs = torch.log_softmax(x.float(), dim=-1)
     loss = (-log_probs.gather(1, labels[:, None]).squeeze(1) * w).sum()
-    hot = torch.arange(x.shape[-1], device=x.device)[None] == labels[:, None]
-    return loss, ((log_probs.exp() - hot.float()) * w[:, None]).to(x.dtype)
+    grad = log_probs.exp_()  # in place: eager (the CPU) keeps one fp32 [rows, vocab] temporary, not four
+    grad[torch.arange(len(labels), device=x.device), labels] -= 1
+    return loss, grad.mul_(w[:, None]).to(x.dtype)
 
 
 def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
@@ -153,8 +154,9 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """Σ_t w_t · CE(x_t @ head.T, target_t) for a head that does not train (the target's, which a DFlash drafter's
     blocks are read by), chunked over rows: the gradient w.r.t. x, (softmax - target) · w @ head, is made in
     forward chunk by chunk and kept ([rows, H]), so no [rows, vocab] tensor outlives its chunk. Autograd's plain
-    graph kept the bf16 logits, their fp32 copy, the fp32 log-softmax and the fp32 gradient: ~14 bytes per entry,
-    13 GiB of a llama3-8b DFlash step's peak at 512 blocks of 16 (tests/benchmarks/RESULTS.md). Same matmuls.
+    graph made the bf16 logits, their fp32 copy, the fp32 log-softmax and the fp32 gradient: with it a llama3-8b
+    DFlash step at 512 blocks of 16 peaked 13 GiB above its resident 5 GiB on an H100 (tests/benchmarks/
+    RESULTS.md); without, step_memory.py --family dflash counts 2.4 GiB above resident (CPU). Same matmuls.
     target: labels [rows] (long) or a distribution [rows, vocab]. Returns the loss and each row's argmax."""
 
     @staticmethod

@@ -51,6 +51,16 @@ def useful_flops(s: dict, T: int) -> float:
     return 3 * (layers + attention + fc) + 2 * head
 
 
+def drafter_config(s: dict):
+    """Eyrie's DFlash drafter config at a benchmark shape (a Llama-3-style target of 32 layers)."""
+    from train.dflash import dflash_config
+    target = SimpleNamespace(  # what dflash_config reads of a TargetInfo
+        text_config={"num_attention_heads": s["nh"], "num_key_value_heads": s["kvh"], "head_dim": s["hd"],
+                     "intermediate_size": s["I"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+        hidden_size=s["Ht"], vocab_size=s["Vt"], max_position_embeddings=131072, num_layers=32, dtype="bfloat16")
+    return dflash_config(target, DRAFT_LAYERS, target_layer_ids(), BLOCK_SIZE, mask_token_id=s["Vt"] - 1)
+
+
 def _weights(s: dict):
     g = torch.Generator().manual_seed(0)
     embed = (torch.randn(s["Vt"], s["Ht"], generator=g) * 0.02).bfloat16()
@@ -63,15 +73,10 @@ class EyrieDFlash(Eyrie):
 
     def __init__(self, s: dict, activation_checkpointing: bool):
         from data.config import TrainConfig
-        from train.dflash import DFlashDrafter, dflash_config
+        from train.dflash import DFlashDrafter
         from train.engine import deepspeed_config, init_engine
-        target = SimpleNamespace(  # what dflash_config reads of a TargetInfo
-            text_config={"num_attention_heads": s["nh"], "num_key_value_heads": s["kvh"], "head_dim": s["hd"],
-                         "intermediate_size": s["I"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
-            hidden_size=s["Ht"], vocab_size=s["Vt"], max_position_embeddings=131072, num_layers=32, dtype="bfloat16")
-        config = dflash_config(target, DRAFT_LAYERS, target_layer_ids(), BLOCK_SIZE, mask_token_id=s["Vt"] - 1)
-        self.engine = init_engine(DFlashDrafter(config), deepspeed_config(TrainConfig(), 1000,
-                                                                          bf16=DEVICE == "cuda"))
+        self.engine = init_engine(DFlashDrafter(drafter_config(s)), deepspeed_config(TrainConfig(), 1000,
+                                                                                      bf16=DEVICE == "cuda"))
         self.dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # as the trainer runs on each
         self.embed, self.head = (t.to(DEVICE, self.dtype) for t in _weights(s))
         self.generator = torch.Generator().manual_seed(0)

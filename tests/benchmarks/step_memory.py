@@ -6,7 +6,10 @@ not depend on the device (attention does: blockwise here, flex on a GPU), so thi
 GPU. On the GPU, bench_train.py --memory-profile reads the same from torch's allocator history.
 
     python tests/benchmarks/step_memory.py --shape llama3-8b --T 128 [--zero 2] [--activation-checkpointing]
-        [--recompute-logits] [--zero-extra '{"sub_group_size": 100000000}']
+        [--recompute-logits] [--zero-extra '{"sub_group_size": 100000000}'] [--family dflash --anchors 512]
+
+--family dflash measures the DFlash step instead (bench_train.py's eyrie-dflash: dflash_peers.py's drafter,
+frozen target embedding and head, `dflash_objective`), its blocks of 16 at --anchors sampled positions.
 
 Every new tensor storage an operator returns (views and in-place results share their inputs' storage and are
 not counted) is recorded, from the model's construction on, with the innermost train/, data/, deepspeed/ (or, for
@@ -94,8 +97,20 @@ def by_owner(live: dict, top: int) -> dict:
             if v >= 2 ** 20}
 
 
+def dflash_cpu_step(s: dict, T: int, anchors: int):
+    """The DFlash drafter (bf16) and its loss as bench_train.py's eyrie-dflash runs them, on its inputs."""
+    import dflash_peers
+    from train.dflash import DFlashDrafter, dflash_objective
+    model = DFlashDrafter(dflash_peers.drafter_config(s)).to(torch.bfloat16)
+    embed, head = dflash_peers._weights(s)
+    x = dflash_peers.make_inputs(s, T)
+    mask, lengths, generator = torch.ones_like(x.ids), torch.tensor([T]), torch.Generator().manual_seed(0)
+    return model, lambda engine: dflash_objective(engine, embed, head, x.ids, x.aux, mask, lengths, anchors,
+                                                  dflash_peers.GAMMA, generator)
+
+
 def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, recompute_logits: bool,
-                zero_extra: dict) -> dict:
+                zero_extra: dict, family: str = "eagle3", anchors: int = 512) -> dict:
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1",
                  "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(k, v)
@@ -108,7 +123,10 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
     tracker = LiveStorages()  # from the start: what stays between steps is measured too
     tracker.phase = "setup"
     with tracker:
-        model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
+        if family == "dflash":
+            model, dflash_step = dflash_cpu_step(s, T, anchors)
+        else:
+            model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
         config = TrainConfig()
         config.optim.zero_stage = zero
         ds = deepspeed_config(config, 1000, bf16=True)
@@ -120,9 +138,10 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
 
         def step():
             tracker.phase = "teacher"
-            probs = teacher(final)
+            probs = teacher(final) if family != "dflash" else None
             tracker.phase = "forward"
-            r = ttt_unroll(engine, ids, aux, mask, lengths, probs, bench_train.STEPS, bench_train.DECAY)
+            r = dflash_step(engine) if family == "dflash" else \
+                ttt_unroll(engine, ids, aux, mask, lengths, probs, bench_train.STEPS, bench_train.DECAY)
             tracker.phase = "backward"
             engine.backward(r.loss)
             tracker.phase = "optimizer"
@@ -138,7 +157,8 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     moved = sum(tracker.optimizer_moved.values())
     engine.destroy()
-    return {"shape": shape, "T": T, "zero_stage": zero, "gradient_clipping": ds["gradient_clipping"],
+    return {"family": family, "shape": shape, "T": T} | ({"anchors": anchors} if family == "dflash" else {}) | {
+            "zero_stage": zero, "gradient_clipping": ds["gradient_clipping"],
             "activation_checkpointing": activation_checkpointing, "recompute_logits": recompute_logits,
             "trainable_params_m": round(trainable / 1e6, 1),
             "between_steps_gib": round(resident / 2 ** 30, 3), "between_steps_by_owner_gib": by_owner(between, 8),
@@ -161,6 +181,8 @@ if __name__ == "__main__":
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--recompute-logits", action="store_true")
     p.add_argument("--zero-extra", default="{}", help='more zero_optimization keys, JSON')
+    p.add_argument("--family", default="eagle3", choices=("eagle3", "dflash"))
+    p.add_argument("--anchors", type=int, default=512, help="dflash: blocks per sample")
     a = p.parse_args()
     print(json.dumps(step_memory(a.shape, a.T, a.zero, a.activation_checkpointing, a.recompute_logits,
-                                 json.loads(a.zero_extra)), indent=1))
+                                 json.loads(a.zero_extra), a.family, a.anchors), indent=1))
