@@ -198,7 +198,7 @@ def wait_for_all_ranks(rank: int, world: int) -> None:
     key = f"eyrie/extract/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
     store.add(key, 1)
     while rank == 0 and store.add(key, 0) < world:
-        time.sleep(1)
+        time.sleep(0.2)  # a store read is cheap; a 1 s poll kept rank 0 waiting half a second on average
 
 
 def remove_stale_temporaries(out: Path, names: set[str]) -> None:
