@@ -1,4 +1,5 @@
-"""Memory-light autograd functions for the largest activations of a TTT step: the loss, SwiGLU, RMSNorm.
+"""Memory-light autograd functions for the largest activations of a TTT step (the loss, SwiGLU, RMSNorm) and of a
+DFlash step (its loss through the frozen target head).
 
 Autograd's default graph for `-(p · log_softmax(logits.float())).sum(-1)` keeps, per TTT step, the fp32 logits,
 their fp32 log-softmax and an fp32 copy of the teacher's distribution: ~14 bytes per draft-vocab entry per
