@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the repository root, for serve.timing
-from serve.timing import ratio, spread, verdict  # noqa: E402  the smoke test's own rule for a speedup
+from serve.timing import NO_DIFFERENCE, ratio, spread, verdict  # noqa: E402  the smoke test's own rule for a speedup
 RESULTS, OUT = HERE / "results", HERE / "RESULTS.md"
 HEADER = """# Benchmark results
 
@@ -192,7 +192,7 @@ def render_drafter_options(record: dict) -> list[str]:
             return fmt(spread(values), 3), ""
         diffs = spread([value(run) - value(base[run["seed"]]) for run in runs])
         held = diffs["min"] <= 0 <= diffs["max"]
-        return fmt(spread(values), 3), ("no measurable difference: " if held else "") + f"{diffs['median']:+.3f} " \
+        return fmt(spread(values), 3), (f"{NO_DIFFERENCE}: " if held else "") + f"{diffs['median']:+.3f} " \
             f"({diffs['min']:+.3f} to {diffs['max']:+.3f})"
     for name, v in variants.items():
         decoder = paired(v["runs"], lambda run: run["accept_length"])
