@@ -97,16 +97,38 @@ def by_owner(live: dict, top: int) -> dict:
             if v >= 2 ** 20}
 
 
+def eagle3_cpu_step(s: dict, T: int, activation_checkpointing: bool, recompute_logits: bool):
+    """The EAGLE-3 drafter (bf16), its teacher and TTT unroll as train/main.py runs them, on random inputs: the
+    model and forward(engine, tracker) -> the unroll's result."""
+    from train.ttt import ttt_unroll
+    model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
+    ids = torch.randint(0, s["Vd"], (1, T))
+    aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
+    mask, lengths = torch.ones_like(ids, dtype=torch.bool), torch.tensor([T])
+
+    def forward(engine, tracker: LiveStorages):
+        tracker.phase = "teacher"
+        probs = teacher(final)
+        tracker.phase = "forward"
+        return ttt_unroll(engine, ids, aux, mask, lengths, probs, bench_train.STEPS, bench_train.DECAY)
+    return model, forward
+
+
 def dflash_cpu_step(s: dict, T: int, anchors: int):
-    """The DFlash drafter (bf16) and its loss as bench_train.py's eyrie-dflash runs them, on its inputs."""
+    """The DFlash drafter (bf16) and its loss as bench_train.py's eyrie-dflash runs them, on its inputs: the model
+    and forward(engine, tracker) -> the objective's result."""
     import dflash_peers
     from train.dflash import DFlashDrafter, dflash_objective
     model = DFlashDrafter(dflash_peers.drafter_config(s)).to(torch.bfloat16)
     embed, head = dflash_peers._weights(s)
     x = dflash_peers.make_inputs(s, T)
     mask, lengths, generator = torch.ones_like(x.ids), torch.tensor([T]), torch.Generator().manual_seed(0)
-    return model, lambda engine: dflash_objective(engine, embed, head, x.ids, x.aux, mask, lengths, anchors,
-                                                  dflash_peers.GAMMA, generator)
+
+    def forward(engine, tracker: LiveStorages):
+        tracker.phase = "forward"
+        return dflash_objective(engine, embed, head, x.ids, x.aux, mask, lengths, anchors, dflash_peers.GAMMA,
+                                generator)
+    return model, forward
 
 
 def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, recompute_logits: bool,
@@ -117,31 +139,21 @@ def step_memory(shape: str, T: int, zero: int, activation_checkpointing: bool, r
     from data.config import TrainConfig
     from train.engine import deepspeed_config, init_engine
     from train.main import setup_distributed
-    from train.ttt import ttt_unroll
     setup_distributed()
     s = bench_train.SHAPES[shape]
     tracker = LiveStorages()  # from the start: what stays between steps is measured too
     tracker.phase = "setup"
     with tracker:
-        if family == "dflash":
-            model, dflash_step = dflash_cpu_step(s, T, anchors)
-        else:
-            model, teacher = bench_train.bf16_cpu_drafter(s, activation_checkpointing, recompute_logits)
+        model, forward = dflash_cpu_step(s, T, anchors) if family == "dflash" else \
+            eagle3_cpu_step(s, T, activation_checkpointing, recompute_logits)
         config = TrainConfig()
         config.optim.zero_stage = zero
         ds = deepspeed_config(config, 1000, bf16=True)
         ds["zero_optimization"].update(zero_extra)
         engine = init_engine(model, ds)
-        ids = torch.randint(0, s["Vd"], (1, T))
-        aux, final = torch.randn(1, T, 3 * s["Ht"]).bfloat16(), torch.randn(1, T, s["Ht"]).bfloat16()
-        mask, lengths = torch.ones_like(ids, dtype=torch.bool), torch.tensor([T])
 
         def step():
-            tracker.phase = "teacher"
-            probs = teacher(final) if family != "dflash" else None
-            tracker.phase = "forward"
-            r = dflash_step(engine) if family == "dflash" else \
-                ttt_unroll(engine, ids, aux, mask, lengths, probs, bench_train.STEPS, bench_train.DECAY)
+            r = forward(engine, tracker)
             tracker.phase = "backward"
             engine.backward(r.loss)
             tracker.phase = "optimizer"
