@@ -54,10 +54,12 @@ def test_the_training_table_sets_each_peer_beside_eyrie_with_its_range():
     assert text.index("| eyrie |") < text.index("| specforge |")
     assert "41.0% of 790 | 33.0% |" in text and "specforge-compact llama3-8b T=-: not importable" in text
     # a DFlash record: its peers set beside eyrie-dflash, under a title that names the family
-    record["results"]["rows"] = [row("specforge-dflash", [0.13, 0.14, 0.15], peak_gib=8.6),
-                                 row("eyrie-dflash", [0.10, 0.11, 0.12], peak_gib=17.2)]
+    blocks = {"block_size": 16, "anchors": 384}
+    record["results"]["rows"] = [row("specforge-dflash", [0.13, 0.14, 0.15], peak_gib=8.6) | blocks,
+                                 row("eyrie-dflash", [0.10, 0.11, 0.12], peak_gib=17.2) | blocks]
     text = "\n".join(render_results.render_train_step(record))
     assert text.startswith("## DFlash drafter training step")
+    assert "DFlash steps: blocks of 16 at 384 anchors," in text  # read from the rows, not assumed
     assert "| specforge-dflash | 14,629 (13,653-15,754) | faster: 1.27x (1.08-1.50) | 8.6 | 1.00 |" in text
     assert "| eyrie-dflash | 18,618 (17,067-20,480) |  | 17.2 | 2.00 |" in text
 

@@ -339,12 +339,13 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     # subtracted below, so each row's peak and resident are the peer's own.
     before = torch.cuda.memory_allocated()
     import dflash_peers  # imported here, not at the top: it subclasses this module's Eyrie
-    flops, inputs = useful_flops, make_inputs
+    flops, inputs, settings = useful_flops, make_inputs, {}
     try:
         own_ckpt, recompute = EYRIE_PEERS.get(peer, (False, False))
         if peer in dflash_peers.PEERS:
             runner = dflash_peers.PEERS[peer](s, ckpt)
             flops, inputs = dflash_peers.useful_flops, dflash_peers.make_inputs
+            settings = dflash_peers.SETTINGS  # every row says which blocks it trained
         elif peer in SPECFORGE_PEERS:
             runner = SpecForge(s, ckpt, SPECFORGE_PEERS[peer])
         else:
@@ -352,7 +353,7 @@ def run_peer(peer: str, shape: str, lengths: list[int], iters: int, peak_tflops:
     except ImportError as e:
         return [{"peer": peer, "shape": shape, "error": f"not importable: {e}"}]
     for T in lengths:
-        row = {"peer": peer + ("+ckpt" if ckpt and not own_ckpt else ""), "shape": shape, "T": T}
+        row = {"peer": peer + ("+ckpt" if ckpt and not own_ckpt else ""), "shape": shape, "T": T} | settings
         x = inputs(s, T)
         gc.collect()
         torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ import torch
 from bench_train import Eyrie, Inputs  # this script's folder is on sys.path
 
 BLOCK_SIZE, ANCHORS, GAMMA, DRAFT_LAYERS = 16, 512, 7.0, 1
+SETTINGS = {"block_size": BLOCK_SIZE, "anchors": ANCHORS, "loss_decay_gamma": GAMMA, "draft_layers": DRAFT_LAYERS}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -134,7 +134,9 @@ def render_train_step(record: dict) -> list[str]:
     out = [f"## {family} training step, side by side with SpecForge: {shapes} ({record['date']})", ""]
     out += provenance(record)
     if dflash:
-        out += ["DFlash steps: blocks of 16 at 512 anchors, tokens/s counting the T context tokens "
+        settings = {(row["block_size"], row["anchors"]) for row in r["rows"] if "block_size" in row}
+        blocks = "; ".join(f"blocks of {size} at {anchors} anchors" for size, anchors in sorted(settings))
+        out += [f"DFlash steps: {blocks or 'block settings not recorded'}, tokens/s counting the T context tokens "
                 "(tests/benchmarks/dflash_peers.py says what each peer runs).", ""]
     out += [f"One GPU; each peer in a process of its own on the same random inputs; {r['steps']} timed steps per row "
             "after an untimed one: tokens/s median (min-max over the steps), the ratio to Eyrie's (Eyrie / peer, "
