@@ -31,17 +31,6 @@ from .teacher import Teacher
 SGLANG_CLASS = "DFlashDraftModel"
 
 
-@dataclass
-class BlockGroup:
-    """Consecutive blocks of a training batch attended together: flat block positions [start, end), which see
-    (by `visible` [B, end - start, context + end - start]) some of the first `context` context positions and their
-    own group's block positions; no position outside those is visible to any of them."""
-    start: int
-    end: int
-    context: int
-    visible: torch.Tensor
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -64,25 +53,17 @@ class DFlashAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: tuple[torch.Tensor, torch.Tensor],
-                visible: torch.Tensor | list[BlockGroup] | None) -> torch.Tensor:
+                visible: torch.Tensor | None) -> torch.Tensor:
         """x [B, Tb, H] the block's (normed) hidden; `context` its keys/values [B, kv_heads, Tc, d]; `visible`
-        [B, Tb, Tc + Tb] which context and block positions each block position attends to (None: all), or the
-        same as groups (block_groups), each attending over only the keys it can see."""
+        [B, Tb, Tc + Tb] which context and block positions each block position attends to (None: all)."""
         B, T, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        gqa = self.kv_heads != self.heads
-        if isinstance(visible, list):
-            out = torch.cat([F.scaled_dot_product_attention(
-                q[:, :, g.start:g.end], torch.cat([context[0][:, :, :g.context], k[:, :, g.start:g.end]], dim=2),
-                torch.cat([context[1][:, :, :g.context], v[:, :, g.start:g.end]], dim=2),
-                attn_mask=g.visible[:, None], enable_gqa=gqa) for g in visible], dim=2)
-        else:
-            k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible[:, None],
-                                                 enable_gqa=gqa)
+        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible[:, None],
+                                             enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 
@@ -117,8 +98,7 @@ class DFlashDrafter(nn.Module):
         return self.rotary_emb(positions.new_empty((), dtype=dtype), positions)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context_features: torch.Tensor,
-                context_positions: torch.Tensor,
-                visible: torch.Tensor | list[BlockGroup] | None = None) -> torch.Tensor:
+                context_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
         """The block's final hidden states [B, Tb, H] (the target's head turns them into drafts).
         block_embeds [B, Tb, H]: the target's embedding of the block's tokens (the last emitted one, then mask
         tokens); context_features [B, Tc, K·H]: the target's aux states at `context_positions`; `visible`:
@@ -216,33 +196,6 @@ def block_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_len: int
     return (context & keep.repeat_interleave(block_size, dim=1)[..., None]) | own_block
 
 
-# Blocks per attention group in training. One dense mask over all of a batch's blocks computes every (query, key)
-# pair, and a block sees only its own 16 keys and the context before its anchor: at 512 blocks of 16 over 2,048
-# tokens about 10% of the pairs. Groups of 64 consecutive blocks (anchors are sorted) attend over the context
-# before their last anchor and their own blocks: about a fifth of the pairs at 2k tokens, a third at 8k, for one
-# more attention call per group.
-BLOCKS_PER_GROUP = 64
-
-
-def block_groups(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
-                 blocks_per_group: int = BLOCKS_PER_GROUP) -> list[BlockGroup]:
-    """block_visibility cut into groups of consecutive blocks: a group's keys are the context before the latest
-    anchor among its (kept) blocks in any sample, then its own blocks' positions; the pairs left out are ones no
-    query of the group sees, so attention gives the same result as over the dense mask."""
-    B, N = anchors.shape
-    visible = block_visibility(anchors, keep, context_len, block_size)
-    reach = torch.where(keep, anchors, 0)
-    bounds = [(s, min(s + blocks_per_group, N)) for s in range(0, N, blocks_per_group)]
-    contexts = torch.stack([reach[:, s:e].max() for s, e in bounds]).tolist()  # one host sync per batch
-    groups = []
-    for (s, e), context in zip(bounds, contexts):
-        q0, q1 = s * block_size, e * block_size
-        rows = visible[:, q0:q1]
-        groups.append(BlockGroup(q0, q1, context, torch.cat([rows[..., :context],
-                                                             rows[..., context_len + q0:context_len + q1]], dim=-1)))
-    return groups
-
-
 def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                      aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
                      gamma: float | None = None, generator: torch.Generator | None = None,
@@ -263,7 +216,7 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
     tokens = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
     tokens[..., 0] = input_ids.gather(1, anchors)                                  # the anchor token, then masks
     hidden = drafter(F.embedding(tokens.reshape(B, N * bs), embed).to(aux_hidden.dtype), positions, aux_hidden,
-                     torch.arange(T, device=device)[None].expand(B, T), block_groups(anchors, keep, T, bs))
+                     torch.arange(T, device=device)[None].expand(B, T), block_visibility(anchors, keep, T, bs))
     at = positions.clamp(max=T - 1)
     labels = input_ids.gather(1, at).view(B, N, bs)
     weight = (keep[..., None] & (offsets > 0) & (positions.view(B, N, bs) < lengths[:, None, None])).float() \

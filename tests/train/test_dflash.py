@@ -140,33 +140,6 @@ def test_each_block_sees_its_own_block_and_the_context_before_its_anchor():
     assert padded.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 1, 1]] * 2  # a padding block sees only itself
 
 
-def test_grouped_attention_equals_the_dense_mask_in_values_and_gradients(drafter):
-    """Training attends by groups of consecutive blocks (block_groups), each over the context before its latest
-    anchor and its own blocks only: the drafter's output and every gradient equal the dense mask's, here with
-    three groups, a padding block, and two samples whose anchors differ."""
-    from train.dflash import block_groups, block_visibility
-    bs, T, H = 4, 24, drafter.config.hidden_size
-    anchors = torch.tensor([[1, 3, 8, 9, 15, 21], [0, 2, 5, 6, 12, 0]])
-    keep = torch.tensor([[True] * 6, [True] * 5 + [False]])
-    groups = block_groups(anchors, keep, T, bs, blocks_per_group=2)
-    assert [(g.start, g.end, g.context) for g in groups] == [(0, 8, 3), (8, 16, 9), (16, 24, 21)]
-    torch.manual_seed(2)
-    block, ctx = torch.randn(2, 6 * bs, H), torch.randn(2, T, 3 * H)
-    block_pos = (anchors[..., None] + torch.arange(bs)).reshape(2, -1)
-    ctx_pos = torch.arange(T)[None].expand(2, T)
-    results = []
-    for visible in (block_visibility(anchors, keep, T, bs), groups):
-        drafter.zero_grad()
-        x, c = block.clone().requires_grad_(), ctx.clone().requires_grad_()
-        out = drafter(x, block_pos, c, ctx_pos, visible)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results.append([out, x.grad, c.grad] + [p.grad.clone() for p in drafter.parameters()])
-    for name, grouped, dense in zip(["out", "block", "context"] + [n for n, _ in drafter.named_parameters()],
-                                    results[1], results[0]):
-        torch.testing.assert_close(grouped, dense, atol=1e-5, rtol=1e-4, msg=name)
-    assert results[0][2][:, 21:].abs().sum() == 0  # context at or after the last anchor is seen by no block
-
-
 def test_the_objective_learns_a_batch(features_run):
     """On one small batch of the test run's features (three aux layers, the tiny target's embedding and head),
     block drafting learns the sample's next tokens: position 1 of the blocks > 90% right, and the greedy accept
