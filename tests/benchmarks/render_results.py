@@ -131,7 +131,8 @@ def render_train_step(record: dict) -> list[str]:
     shapes = ", ".join(dict.fromkeys(row["shape"] for row in r["rows"]))
     dflash = any(row["peer"].endswith("-dflash") for row in r["rows"])
     family = "DFlash drafter" if dflash else "Drafter"
-    out = [f"## {family} training step, side by side with SpecForge: {shapes} ({record['date']})", ""]
+    out = [f"## {family} training step, side by side with SpecForge: {shapes} ({record['date']}, "
+           f"{record['commit'][:7]})", ""]
     out += provenance(record)
     if dflash:
         settings = {(row["block_size"], row["anchors"]) for row in r["rows"] if "block_size" in row}
