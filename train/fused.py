@@ -156,8 +156,9 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     blocks are read by), chunked over rows: the gradient w.r.t. x, (softmax - target) · w @ head, is made in
     forward chunk by chunk and kept ([rows, H]), so no [rows, vocab] tensor outlives its chunk. Autograd's plain
     graph made the bf16 logits, their fp32 copy, the fp32 log-softmax and the fp32 gradient: with it a llama3-8b
-    DFlash step at 512 blocks of 16 peaked 13 GiB above its resident 5 GiB on an H100 (tests/benchmarks/
-    RESULTS.md; `step_memory.py --family dflash` shows what is alive at the peak now). Same matmuls.
+    DFlash step at 512 blocks of 16 peaked 13 GiB above its resident 5 GiB on an H100 (the results file at
+    eafca3b), with this 2.2 GiB above on an H200 (tests/benchmarks/RESULTS.md; `step_memory.py --family dflash`
+    shows what is alive at the peak). Same matmuls.
     target: labels [rows] (long) or a distribution [rows, vocab]. Returns the loss and each row's argmax."""
 
     @staticmethod
