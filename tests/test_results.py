@@ -3,6 +3,8 @@ not rendered again, fails here; so does a results file without its provenance.""
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks import render_results
 
 RESULTS = Path(render_results.__file__).parent / "results"
@@ -86,3 +88,25 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
     assert "(0, 1, 2) with `--train.drafter.arch=mla` on the same data" in text
     assert "same steps (75), held-out overlap with training 0" in text
+
+
+def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, monkeypatch):
+    """bench_train's --append: two commands' rows make one table (a row measured again replaces the old one, each
+    command listed once however often a run rewrites the file); a run at another commit is refused. Stand-in rows
+    (made-up figures), written to a temporary folder."""
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import bench_train
+    monkeypatch.setenv("EYRIE_COMMIT", "a" * 40)
+    rows = {name: {"peer": name, "shape": "kimi-k2.5-kv8", "T": 2048, "tokens_per_s": n}
+            for name, n in (("eyrie", 1), ("specforge-compact", 2))}
+    bench_train.record("kv8", ["--peers", "eyrie,specforge-compact"], {"rows": list(rows.values())}, results=tmp_path)
+    again = {"rows": [rows["specforge-compact"] | {"tokens_per_s": 3}, rows["eyrie"] | {"peer": "specforge"}]}
+    for _ in range(2):  # rewritten after each peer
+        bench_train.record("kv8", ["--peers", "specforge"], again, append=True, results=tmp_path)
+    record = json.loads((tmp_path / "kv8.json").read_text())
+    assert [(r["peer"], r["tokens_per_s"]) for r in record["results"]["rows"]] == \
+        [("eyrie", 1), ("specforge-compact", 3), ("specforge", 1)]
+    assert [c.split("--peers ")[1] for c in record["commands"]] == ["eyrie,specforge-compact", "specforge"]
+    monkeypatch.setenv("EYRIE_COMMIT", "b" * 40)
+    with pytest.raises(SystemExit, match="was measured at aaaaaaaaaa .*record it under another name"):
+        bench_train.record("kv8", ["--peers", "specforge"], again, append=True, results=tmp_path)

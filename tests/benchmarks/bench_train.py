@@ -2,7 +2,7 @@
 process of its own on the same inputs (not collected by pytest).
 
     python tests/benchmarks/bench_train.py --shapes llama3-8b,kimi-k2.5 --lengths 2048,8192,16384 \
-        --peers eyrie,specforge,specforge-compact [--steps 20] [--record NAME] [--json out.json] \
+        --peers eyrie,specforge,specforge-compact [--steps 20] [--record NAME [--append]] [--json out.json] \
         [--loader-samples 64] [--profile] [--memory-profile] [--same-process]
 
 Each (peer, shape) runs in its own Python process (`--same-process` to run them in this one): run after Eyrie in
@@ -10,7 +10,8 @@ one process, SpecForge's llama3-8b 2k step ran 10% slower than alone (Eyrie sets
 moved the same-process ratio between 1.22x and 1.32x with the order. Every row times `--steps` steps one by one
 (each ends in loss.item(), so a step's time is the wall time between them) after one untimed step: tokens/s is the
 median with its min-max, and every step's time is kept. `--record NAME` writes tests/benchmarks/results/NAME.json
-(commands, commit, device, versions, every row and step), which tests/benchmarks/render_results.py renders.
+(commands, commit, device, versions, every row and step), which tests/benchmarks/render_results.py renders;
+`--append` adds a command's rows to it (same commit and device), for a table that needs several 10-minute commands.
 
 eyrie: the DeepSpeed engine as train/main.py builds it (ZeRO-2, bf16, the generated config), the teacher from
 the final hidden state, `ttt_unroll`, `engine.backward`, `engine.step`; eyrie-recompute-logits: the same with
@@ -455,15 +456,42 @@ def child_rows(peer: str, shape: str, a: argparse.Namespace) -> list[dict]:
         return json.loads(out.read_text())["rows"]
 
 
-def record(name: str, argv: list[str], out: dict) -> Path:
-    """tests/benchmarks/results/NAME.json: what render_results.py renders into RESULTS.md."""
+RESULTS = Path(__file__).parent / "results"
+
+
+def earlier_record(name: str, env: dict, results: Path = RESULTS) -> dict | None:
+    """For --append: NAME.json as recorded so far, refused unless it was measured at this commit on this device
+    (ratios are taken within one machine and one tree), or None where there is none yet."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())
+    if (earlier["commit"], earlier["environment"]["device"]) != (env["commit"], env["device"]):
+        raise SystemExit(f"--append: {path} was measured at {earlier['commit'][:10]} on "
+                         f"{earlier['environment']['device']}, this run is at {str(env['commit'])[:10]} on "
+                         f"{env['device']}: record it under another name")
+    return earlier
+
+
+def record(name: str, argv: list[str], out: dict, append: bool = False, results: Path = RESULTS) -> Path:
+    """results/NAME.json: what render_results.py renders into RESULTS.md. With `append`, this run's rows join
+    those NAME.json holds from the same commit and device (a row of the same peer, shape and T is replaced), so
+    that one table can come from consecutive commands on one machine, each within its time limit."""
     from data.environment import environment
     env = environment()
-    path = Path(__file__).parent / "results" / f"{name}.json"
+    command = " ".join(["python", "tests/benchmarks/bench_train.py", *argv])
+    earlier = earlier_record(name, env, results) if append else None
+    commands = [command]
+    if earlier:  # written again after each peer: the same command is listed once
+        commands = earlier["commands"] + ([command] if earlier["commands"][-1] != command else [])
+        ours = {(row["peer"], row["shape"], row.get("T")) for row in out["rows"]}
+        out = out | {"rows": [row for row in earlier["results"]["rows"]
+                              if (row["peer"], row["shape"], row.get("T")) not in ours] + out["rows"]}
+    path = results / f"{name}.json"
     path.write_text(json.dumps({"name": name, "kind": "train_step", "date": time.strftime("%Y-%m-%d"),
-                                "commands": [" ".join(["python", "tests/benchmarks/bench_train.py", *argv])],
-                                "commit": env["commit"], "environment": env, "notes": [], "invalid": {},
-                                "results": out}, indent=1) + "\n")
+                                "commands": commands, "commit": env["commit"], "environment": env,
+                                "notes": earlier["notes"] if earlier else [], "invalid": {}, "results": out},
+                               indent=1) + "\n")
     return path
 
 
@@ -476,6 +504,8 @@ def main() -> None:
     p.add_argument("--same-process", action="store_true", help="every peer in this process (not comparable)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--record", default=None, metavar="NAME", help="write tests/benchmarks/results/NAME.json")
+    p.add_argument("--append", action="store_true",
+                   help="--record: add the rows to NAME.json's (same commit and device: one table, several commands)")
     p.add_argument("--activation-checkpointing", action="store_true", help="eyrie: recompute the layer per step")
     p.add_argument("--loader-samples", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -490,6 +520,9 @@ def main() -> None:
     known = {*EYRIE_PEERS, *SPECFORGE_PEERS, *DFLASH_PEERS}
     if set(peers) - known:  # before any GPU work
         raise SystemExit(f"--peers: unknown {sorted(set(peers) - known)} ({', '.join(sorted(known))})")
+    if a.append and a.record and not a.child:  # refused now, not after minutes of measuring
+        from data.environment import environment
+        earlier_record(a.record, environment())
     out = {"dense_bf16_peak_tflops": DENSE_BF16_PEAK_TFLOPS, "torch": torch.__version__, "steps": a.steps,
            "isolated": not (a.same_process or a.child), "rows": []}
     if out["isolated"]:  # this process starts no CUDA context: each child measures its own matmul rate
@@ -497,7 +530,7 @@ def main() -> None:
             for peer in peers:
                 out["rows"] += child_rows(peer, shape, a)
                 if a.record:  # after each peer: a run cut short by a time limit keeps the rows it measured
-                    record(a.record, sys.argv[1:], out)
+                    record(a.record, sys.argv[1:], out, a.append)
     else:
         from train.main import setup_distributed
         setup_distributed()
@@ -514,7 +547,7 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.record:
-        print(f"recorded {record(a.record, sys.argv[1:], out)}")
+        print(f"recorded {record(a.record, sys.argv[1:], out, a.append)}")
 
 
 if __name__ == "__main__":
