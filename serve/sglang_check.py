@@ -7,16 +7,19 @@
 server does. Loading without an error proves nothing: `load_weights` silently skips unknown names and a
 missing `d2t`. So every parameter is filled with NaN first (by wrapping `load_weights`), and afterwards
 every parameter must be finite, every tensor of the file must have been consumed, and the hot-token map
-must equal d2t. Runs in a subprocess: SGLang's process-wide state (server args, process groups) stays
-out of the caller.
+must equal d2t. Runs in another interpreter (check_in_subprocess: one worker per calling process, kept for
+its later checks): SGLang's process-wide state (server args, process groups) stays out of the caller.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import types
 from pathlib import Path
 
@@ -190,20 +193,67 @@ def check_each(directories: list[str]) -> list[dict]:
     return reports
 
 
+REPORTS = "sglang_check reports: "  # marks the worker's answer among whatever SGLang prints to stdout
+
+
+class _Worker:
+    """One interpreter that checks directories for the life of the calling process: `python -m
+    serve.sglang_check --worker` reads a JSON list of directories per line and answers with one marked line of
+    reports, so SGLang's imports (~8 s on a CPU) are paid once per process, not once per export. A worker that
+    dies or runs past its time is stopped, its output goes into the error, and the next check starts a new one."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.log = None
+        self.lock = threading.Lock()
+
+    def start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.log = tempfile.TemporaryFile(mode="w+")  # stderr to a file: a full pipe would block the worker
+            self.proc = subprocess.Popen([sys.executable, "-m", "serve.sglang_check", "--worker"], text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                         cwd=Path(__file__).resolve().parents[1])
+        return self.proc
+
+    def check(self, paths: list[str], timeout: float) -> list[dict]:
+        with self.lock:
+            proc, printed = self.start(), []
+            timer = threading.Timer(timeout, proc.kill)  # a hung loader ends the worker, and readline with it
+            timer.start()
+            try:
+                proc.stdin.write(json.dumps(paths) + "\n")
+                proc.stdin.flush()
+                for line in proc.stdout:
+                    if line.startswith(REPORTS):
+                        return json.loads(line[len(REPORTS):])
+                    printed.append(line)
+            except (BrokenPipeError, ValueError):
+                pass
+            finally:
+                timer.cancel()
+            proc.kill()
+            self.log.seek(0)
+            raise RuntimeError(f"SGLang loader check crashed for {', '.join(paths)} (worker exit "
+                               f"{proc.wait()}):\n{''.join(printed)[-3000:]}\n{self.log.read()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # the worker's loop ends at the end of its input
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_WORKER = _Worker()
+atexit.register(_WORKER.stop)
+
+
 def check_in_subprocess(*directories: str | Path, timeout: float = 600, raise_on_problem: bool = True) -> list[dict]:
-    """check_each's reports, from a fresh interpreter. A failed check raises DrafterDirError naming its
-    problems unless `raise_on_problem` is false."""
-    paths = [str(Path(d).resolve()) for d in directories]  # the check runs from the repository root
-    out = subprocess.run([sys.executable, "-m", "serve.sglang_check", *paths], capture_output=True,
-                         text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
-    try:  # the last lines: one report per directory, in order
-        reports = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(paths):]]
-        complete = [r.get("directory") for r in reports] == paths
-    except (ValueError, AttributeError):
-        complete = False
-    if not complete:
-        raise RuntimeError(f"SGLang loader check crashed for {', '.join(paths)}:\n{out.stdout[-3000:]}\n"
-                           f"{out.stderr[-3000:]}") from None
+    """check_each's reports, from a separate interpreter (the worker above: SGLang's process-wide state stays out
+    of this one). A failed check raises DrafterDirError naming its problems unless `raise_on_problem` is false."""
+    paths = [str(Path(d).resolve()) for d in directories]  # the worker runs from the repository root
+    reports = _WORKER.check(paths, timeout)
     failed = [r for r in reports if not r["ok"]]
     if failed and raise_on_problem:
         from .drafter_dir import DrafterDirError
@@ -212,9 +262,19 @@ def check_in_subprocess(*directories: str | Path, timeout: float = 600, raise_on
     return reports
 
 
+def serve_checks() -> int:
+    """--worker: a JSON list of directories per input line, check_each's reports as one marked line each."""
+    for line in sys.stdin:
+        print(REPORTS + json.dumps(check_each(json.loads(line))), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m serve.sglang_check DIR [DIR ...]`: one JSON report per directory; exit 1 if any fails."""
-    results = check_each(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--worker"]:
+        return serve_checks()
+    results = check_each(argv)
     for result in results:
         print(json.dumps(result))
     return 0 if all(r["ok"] for r in results) else 1

@@ -110,6 +110,22 @@ def test_broken_drafters_fail_sglangs_own_loader(exported, tmp_path, monkeypatch
 
 
 @needs_sglang
+def test_one_checker_serves_a_process_and_a_dead_one_is_replaced(exported):
+    """SGLang's imports are paid once per process: later checks go to the same worker interpreter; a worker that
+    died (killed here, as a crash would leave it) is replaced at the next check, which still answers."""
+    from serve import sglang_check
+    first = sglang_check.check_in_subprocess(exported[0] / "zero2")
+    worker = sglang_check._WORKER.proc
+    again = sglang_check.check_in_subprocess(exported[0] / "zero3")
+    assert sglang_check._WORKER.proc is worker and worker.poll() is None
+    assert first[0]["ok"] and again[0]["ok"] and again[0]["directory"].endswith("zero3"), (first, again)
+    worker.kill()
+    worker.wait()
+    after = sglang_check.check_in_subprocess(exported[0] / "zero2")
+    assert after[0]["ok"] and sglang_check._WORKER.proc is not worker
+
+
+@needs_sglang
 @pytest.mark.parametrize("declared", ["bfloat16", "float32", None])
 def test_sglang_resolves_drafter_and_target_to_one_dtype(declared, tmp_path):
     """SGLang picks each model's dtype from its own config (`--dtype auto`; float32 or none declared → float16):
