@@ -217,8 +217,12 @@ class _Worker:
 
     def check(self, paths: list[str], timeout: float) -> list[dict]:
         with self.lock:
-            proc, printed = self.start(), []
-            timer = threading.Timer(timeout, proc.kill)  # a hung loader ends the worker, and readline with it
+            proc, printed, hung = self.start(), [], threading.Event()
+
+            def stop_hung_worker():  # ends the worker, and the read below with it
+                hung.set()
+                proc.kill()
+            timer = threading.Timer(timeout, stop_hung_worker)
             timer.start()
             try:
                 proc.stdin.write(json.dumps(paths) + "\n")
@@ -233,8 +237,9 @@ class _Worker:
                 timer.cancel()
             proc.kill()
             self.log.seek(0)
-            raise RuntimeError(f"SGLang loader check crashed for {', '.join(paths)} (worker exit "
-                               f"{proc.wait()}):\n{''.join(printed)[-3000:]}\n{self.log.read()[-3000:]}")
+            how = f"ran past {timeout:g} s" if hung.is_set() else f"crashed (worker exit {proc.wait()})"
+            raise RuntimeError(f"SGLang loader check {how} for {', '.join(paths)}:\n{''.join(printed)[-3000:]}\n"
+                               f"{self.log.read()[-3000:]}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -14,50 +14,61 @@ CASES = [[1, 29, 57], [2, 30, 58], [0, 1, 2], [3, 5, 7]]
 KIMI = "KimiK25ForConditionalGeneration"
 
 # Runs in a process of its own: importing SGLang's model registry on a CPU stubs modules (serve/sglang_check.py).
-# Each architecture's own set_eagle3_layers_to_capture runs on a stand-in `self` that holds only what the method
-# touches; SGLang then captures at the input of layer j, i.e. the output of layer j - 1.
+# Each architecture's own capture hooks (EAGLE-3's and DFlash's, one import of the registry for both) run on a
+# stand-in `self` that holds only what the method touches; SGLang then captures at the input of layer j, i.e.
+# the output of layer j - 1.
+HOOKS = ["set_eagle3_layers_to_capture", "set_dflash_layers_to_capture"]
 PROBE = r"""
 import json, sys
 from types import SimpleNamespace as N
 from serve.sglang_check import _stub_modules
 _stub_modules()
 from sglang.srt.models.registry import ModelRegistry
-cases, out = json.loads(sys.argv[1]), {}
+cases, hooks = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {hook: {} for hook in hooks}
 for arch in sorted(ModelRegistry.get_supported_archs()):
     try:
         cls, _ = ModelRegistry.resolve_model_cls([arch])
     except Exception:
         continue
-    if not hasattr(cls, "set_eagle3_layers_to_capture"):
-        continue
-    rows = []
-    for ids in cases:
-        inner = N()  # a multimodal wrapper hands the ids to its language model: recorded, not followed
-        inner.set_eagle3_layers_to_capture = lambda i, s=inner: setattr(s, "delegated", i)
-        me = N(pp_group=N(is_last_rank=True), config=N(num_hidden_layers=61), model=N(), language_model=inner)
-        try:
-            cls.set_eagle3_layers_to_capture(me, ids)
-        except Exception:
-            break
-        if hasattr(inner, "delegated"):
-            rows = "delegates" if inner.delegated == ids else None
-            break
-        if not hasattr(me.model, "layers_to_capture"):
-            break
-        rows.append([j - 1 for j in me.model.layers_to_capture])
-    if rows == "delegates" or rows and len(rows) == len(cases):
-        out[arch] = rows
+    for hook in hooks:
+        if not hasattr(cls, hook):
+            continue
+        rows = []
+        for ids in cases:
+            inner = N()  # a multimodal wrapper hands the ids to its language model: recorded, not followed
+            setattr(inner, hook, lambda i, s=inner: setattr(s, "delegated", i))
+            me = N(pp_group=N(is_last_rank=True), config=N(num_hidden_layers=61), model=N(), language_model=inner)
+            try:
+                getattr(cls, hook)(me, ids)
+            except Exception:
+                break
+            if hasattr(inner, "delegated"):
+                rows = "delegates" if inner.delegated == ids else None
+                break
+            if not hasattr(me.model, "layers_to_capture"):
+                break
+            rows.append([j - 1 for j in me.model.layers_to_capture])
+        if rows == "delegates" or rows and len(rows) == len(cases):
+            out[hook][arch] = rows
 print("PROBE " + json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
-def test_every_sglang_architecture_captures_what_sglang_captured_outputs_says():
-    run = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CASES)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+@pytest.fixture(scope="module")
+def captured() -> dict[str, dict]:
+    """{hook: {architecture: the layer outputs SGLang captures for each of CASES, or "delegates"}}."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+    run = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CASES), json.dumps(HOOKS)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PROBE ")), None)
     assert line, run.stderr[-3000:]
-    table = json.loads(line[len("PROBE "):])
+    return json.loads(line[len("PROBE "):])
+
+
+def test_every_sglang_architecture_captures_what_sglang_captured_outputs_says(captured):
+    table = captured["set_eagle3_layers_to_capture"]
     # the probe reached the architectures that matter here, and enough others to see the rule is the exception
     assert SGLANG_FIRST_ID_ONE_ARCHITECTURES - {KIMI} | {"LlamaForCausalLM", "Qwen3ForCausalLM"} <= set(table)
     assert len(table) > 20
@@ -99,16 +110,10 @@ def test_kimi_ids_are_refused_where_sglang_would_serve_other_layers_and_imported
         llama.aux_layer_ids([1, 15, 31])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
-def test_every_sglang_architecture_captures_dflash_ids_as_layer_outputs():
+def test_every_sglang_architecture_captures_dflash_ids_as_layer_outputs(captured):
     """DFlash's capture hook (set_dflash_layers_to_capture) adds 1 to every id on every architecture that has one,
     DeepseekV2's family included: a DFlash id is the output of that layer, with no first-id rule."""
-    probe = PROBE.replace("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture")
-    run = subprocess.run([sys.executable, "-c", probe, json.dumps(CASES)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PROBE ")), None)
-    assert line, run.stderr[-3000:]
-    table = {arch: rows for arch, rows in json.loads(line[len("PROBE "):]).items() if rows != "delegates"}
+    table = {arch: rows for arch, rows in captured["set_dflash_layers_to_capture"].items() if rows != "delegates"}
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(table)
     assert {arch: rows for arch, rows in table.items() if rows != CASES} == {}
 

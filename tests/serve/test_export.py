@@ -112,7 +112,8 @@ def test_broken_drafters_fail_sglangs_own_loader(exported, tmp_path, monkeypatch
 @needs_sglang
 def test_one_checker_serves_a_process_and_a_dead_one_is_replaced(exported):
     """SGLang's imports are paid once per process: later checks go to the same worker interpreter; a worker that
-    died (killed here, as a crash would leave it) is replaced at the next check, which still answers."""
+    died (killed here, as a crash would leave it) is replaced at the next check, which still answers; one that
+    runs past the check's time limit is stopped and named so."""
     from serve import sglang_check
     first = sglang_check.check_in_subprocess(exported[0] / "zero2")
     worker = sglang_check._WORKER.proc
@@ -123,6 +124,9 @@ def test_one_checker_serves_a_process_and_a_dead_one_is_replaced(exported):
     worker.wait()
     after = sglang_check.check_in_subprocess(exported[0] / "zero2")
     assert after[0]["ok"] and sglang_check._WORKER.proc is not worker
+    with pytest.raises(RuntimeError, match="ran past 0.001 s"):  # a hung check: its worker is stopped
+        sglang_check.check_in_subprocess(exported[0] / "zero2", timeout=0.001)
+    assert sglang_check._WORKER.proc.poll() is not None
 
 
 @needs_sglang
