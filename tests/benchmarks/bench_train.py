@@ -64,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench_extract import matmul_tflops  # noqa: E402  (this script's folder is on sys.path)
+from record_mission import RESULTS, write_record  # noqa: E402
 
 SHAPES = {  # target hidden / vocab; drafter hidden, heads, kv heads, head_dim, intermediate; draft vocab
     "llama3-8b": dict(Ht=4096, Vt=128256, H=4096, nh=32, kvh=8, hd=128, I=14336, Vd=32000),
@@ -456,9 +457,6 @@ def child_rows(peer: str, shape: str, a: argparse.Namespace) -> list[dict]:
         return json.loads(out.read_text())["rows"]
 
 
-RESULTS = Path(__file__).parent / "results"
-
-
 def earlier_record(name: str, env: dict, results: Path = RESULTS) -> dict | None:
     """For --append: NAME.json as recorded so far, refused unless it was measured at this commit on this device
     (ratios are taken within one machine and one tree), or None where there is none yet."""
@@ -484,15 +482,13 @@ def record(name: str, argv: list[str], out: dict, append: bool = False, results:
     commands = [command]
     if earlier:  # written again after each peer: the same command is listed once
         commands = earlier["commands"] + ([command] if earlier["commands"][-1] != command else [])
-        ours = {(row["peer"], row["shape"], row.get("T")) for row in out["rows"]}
-        out = out | {"rows": [row for row in earlier["results"]["rows"]
-                              if (row["peer"], row["shape"], row.get("T")) not in ours] + out["rows"]}
-    path = results / f"{name}.json"
-    path.write_text(json.dumps({"name": name, "kind": "train_step", "date": time.strftime("%Y-%m-%d"),
-                                "commands": commands, "commit": env["commit"], "environment": env,
-                                "notes": earlier["notes"] if earlier else [], "invalid": {}, "results": out},
-                               indent=1) + "\n")
-    return path
+        def measured(row: dict) -> tuple:
+            return row["peer"], row["shape"], row.get("T")  # an error row has no T
+        ours = {measured(row) for row in out["rows"]}
+        out = out | {"rows": [row for row in earlier["results"]["rows"] if measured(row) not in ours] + out["rows"]}
+    return write_record({"name": name, "kind": "train_step", "date": time.strftime("%Y-%m-%d"), "commands": commands,
+                         "commit": env["commit"], "environment": env, "notes": earlier["notes"] if earlier else [],
+                         "invalid": {}, "results": out}, results)
 
 
 def main() -> None:
@@ -547,7 +543,7 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.record:
-        print(f"recorded {record(a.record, sys.argv[1:], out, a.append)}")
+        record(a.record, sys.argv[1:], out, a.append)  # prints where it wrote
 
 
 if __name__ == "__main__":
