@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from . import ttt
 from .fused import RMSNorm, SwiGLUMLP, frozen_head_cross_entropy
 from .teacher import Teacher
 
@@ -53,17 +54,21 @@ class DFlashAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: tuple[torch.Tensor, torch.Tensor],
-                visible: torch.Tensor | None) -> torch.Tensor:
+                visible: torch.Tensor | SparseVisibility | None) -> torch.Tensor:
         """x [B, Tb, H] the block's (normed) hidden; `context` its keys/values [B, kv_heads, Tc, d]; `visible`
-        [B, Tb, Tc + Tb] which context and block positions each block position attends to (None: all)."""
+        [B, Tb, Tc + Tb] which context and block positions each block position attends to (None: all), or the
+        same as a SparseVisibility (flex attention)."""
         B, T, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible[:, None],
-                                             enable_gqa=self.kv_heads != self.heads)
+        if isinstance(visible, SparseVisibility):
+            out = visible.attend(q, context, (k, v))
+        else:
+            k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible[:, None],
+                                                 enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 
@@ -196,15 +201,54 @@ def block_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_len: int
     return (context & keep.repeat_interleave(block_size, dim=1)[..., None]) | own_block
 
 
+class SparseVisibility:
+    """block_visibility's mask as a flex-attention BlockMask, over the keys laid out [the blocks' own | context]
+    (each part padded to ttt.flex_length, so one kernel serves every length of a bucket): the kernel skips every
+    128 x 128 tile no query of it sees. A block sees its own bs keys and the context before its anchor (anchors
+    sorted: a triangle), so most tiles of the dense [N·bs, T + N·bs] rectangle are skipped: at T = 2k with 512
+    blocks of 16, all but ~1/16 of the block part and half the context."""
+
+    def __init__(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
+        from torch.nn.attention.flex_attention import create_block_mask
+        B, N = anchors.shape
+        self.queries, self.q_len, self.context_len = N * block_size, ttt.flex_length(N * block_size), \
+            ttt.flex_length(context_len)
+        more = -(-self.q_len // block_size) - N  # the padded query rows' blocks: only their own keys
+        block_anchor, block_kept = anchors.new_zeros(B, N + more), keep.new_zeros(B, N + more)
+        block_anchor[:, :N], block_kept[:, :N] = anchors, keep
+        q_len = self.q_len
+
+        def sees(b, h, q, kv):
+            n = q // block_size
+            own = (kv < q_len) & (kv // block_size == n)
+            return own | ((kv >= q_len) & (kv - q_len < block_anchor[b, n]) & block_kept[b, n])
+        self.mask = create_block_mask(sees, B, None, q_len, q_len + self.context_len, device=anchors.device,
+                                      _compile=anchors.is_cuda)
+
+    def attend(self, q: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
+               block: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [B, heads, N·bs, d]; context and block keys/values [B, kv_heads, Tc | N·bs, d] → [B, heads, N·bs, d]."""
+        def padded(t: torch.Tensor, length: int) -> torch.Tensor:
+            return F.pad(t, (0, 0, 0, length - t.shape[2]))
+        q = padded(q, self.q_len)
+        k, v = (torch.cat([padded(b, self.q_len), padded(c, self.context_len)], dim=2) for b, c in zip(block, context))
+        for t in (q, k, v):  # every batch size through one kernel per length bucket (as ttt.flex_causal_attention)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        out = ttt._compiled_flex()(q, k, v, block_mask=self.mask, enable_gqa=k.shape[1] != q.shape[1])
+        return out[:, :, :self.queries]
+
+
 def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                      aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
                      gamma: float | None = None, generator: torch.Generator | None = None,
-                     teacher: Teacher | None = None, final_hidden: torch.Tensor | None = None) -> BlockResult:
+                     teacher: Teacher | None = None, final_hidden: torch.Tensor | None = None,
+                     attention: str = "auto") -> BlockResult:
     """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens
     (or, with `teacher`, against the target's distribution for each of them: `teacher` over the full vocabulary
     and `final_hidden` [B, T, H] the shards' final states, position p's giving the token at p + 1).
     `drafter`: the model or its DeepSpeed engine (whose forward gathers ZeRO-3 partitions); embed [V, H] and
-    lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states."""
+    lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states. `attention`: flex
+    (SparseVisibility, CUDA), dense (block_visibility's mask through SDPA, any device) or auto (flex on CUDA)."""
     cfg = getattr(drafter, "module", drafter).config  # the drafter or its DeepSpeed engine
     bs, mask_id = cfg.dflash_config["block_size"], cfg.dflash_config["mask_token_id"]
     B, T = input_ids.shape
@@ -215,8 +259,11 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
     positions = (anchors[..., None] + offsets).reshape(B, N * bs)                  # [B, N·bs]
     tokens = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
     tokens[..., 0] = input_ids.gather(1, anchors)                                  # the anchor token, then masks
+    if attention == "auto":
+        attention = "flex" if device.type == "cuda" else "dense"
+    visible = SparseVisibility(anchors, keep, T, bs) if attention == "flex" else block_visibility(anchors, keep, T, bs)
     hidden = drafter(F.embedding(tokens.reshape(B, N * bs), embed).to(aux_hidden.dtype), positions, aux_hidden,
-                     torch.arange(T, device=device)[None].expand(B, T), block_visibility(anchors, keep, T, bs))
+                     torch.arange(T, device=device)[None].expand(B, T), visible)
     at = positions.clamp(max=T - 1)
     labels = input_ids.gather(1, at).view(B, N, bs)
     weight = (keep[..., None] & (offsets > 0) & (positions.view(B, N, bs) < lengths[:, None, None])).float() \

@@ -119,9 +119,12 @@ def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
                                   torch.ones(target.vocab_size, dtype=torch.bool), device, dtype) \
         if dc.labels == "teacher" else None  # the full vocabulary: a DFlash drafter drafts with the target's head
 
+    attention = {"auto": "auto", "flex": "flex", "blockwise": "dense"}[cfg.train.attention]
+
     def step(engine, b: Batch, blocks_from: torch.Generator = generator) -> BlockResult:
         return dflash_objective(engine, embed, lm_head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,
-                                dc.blocks_per_sample, dc.loss_decay_gamma, blocks_from, teacher, b.final_hidden)
+                                dc.blocks_per_sample, dc.loss_decay_gamma, blocks_from, teacher, b.final_hidden,
+                                attention)
 
     def eval_step(engine, b: Batch) -> BlockResult:  # the same blocks of a batch at every evaluation
         return step(engine, b, torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(b.lengths.sum())))

@@ -140,6 +140,51 @@ def test_each_block_sees_its_own_block_and_the_context_before_its_anchor():
     assert padded.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 1, 1]] * 2  # a padding block sees only itself
 
 
+def test_flex_attention_gives_the_dense_masks_loss(drafter, monkeypatch):
+    """attention: flex (CUDA's default) against the dense mask through SDPA, on a batch of three samples of
+    different lengths and loss spans (one with fewer anchors than blocks: padding blocks) and grouped-query heads:
+    the same loss and accept counts. Forward only: flex has no backward on the CPU (tests/gpu/test_dflash_loss.py
+    compares gradients with Inductor's kernel on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from train import ttt
+    from train.dflash import dflash_objective
+    monkeypatch.setattr(ttt, "_compiled_flex", lambda: flex_attention)
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(0)
+    V, H, K, B, T = 40, cfg.hidden_size, len(cfg.dflash_config["target_layer_ids"]), 3, 37
+    embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    ids, aux = torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, K * H, generator=g)
+    lengths = torch.tensor([37, 30, 9])
+    loss_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    loss_mask[1, :12] = 0  # a prompt: no anchor before it
+
+    def run(attention: str, blocks_seed: int = 1):
+        with torch.no_grad():
+            return dflash_objective(drafter, embed, head, ids, aux, loss_mask, lengths, blocks_per_sample=10,
+                                    gamma=7.0, generator=torch.Generator().manual_seed(blocks_seed),
+                                    attention=attention)
+    flex, dense = run("flex"), run("dense")
+    assert int(flex.blocks) == 10 + 10 + 8 == int(dense.blocks)  # sample 2 has 8 anchors: 2 padding blocks
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    assert flex.correct.tolist() == dense.correct.tolist() and int(flex.accepted) == int(dense.accepted)
+    other = run("flex", blocks_seed=2).loss  # other blocks, another loss: the comparison above is not vacuous
+    assert abs(other.item() - flex.loss.item()) > 1e-4
+
+
+def test_flex_visibility_skips_the_tiles_no_query_sees():
+    """At a training shape (64 blocks of 16 over a 2k context), the block mask flex runs leaves most 128 x 128
+    tiles out, where the dense mask makes SDPA score all of them: the kernel's work follows what is visible."""
+    from train.dflash import SparseVisibility, block_visibility, sample_anchors
+    T, N, bs = 2048, 64, 16
+    anchors, keep = sample_anchors(torch.ones(1, T, dtype=torch.long), torch.tensor([T]), N,
+                                   torch.Generator().manual_seed(0))
+    sparse = SparseVisibility(anchors, keep, T, bs)
+    visible = block_visibility(anchors, keep, T, bs).float().mean().item()  # the share of (query, key) pairs seen
+    computed = 100 - sparse.mask.sparsity()  # % of tiles the kernel runs (here 41%; 33% of the pairs are seen)
+    assert visible < 0.35 and computed < 45, (visible, computed)
+
+
 def test_the_objective_learns_a_batch(features_run):
     """On one small batch of the test run's features (three aux layers, the tiny target's embedding and head),
     block drafting learns the sample's next tokens: position 1 of the blocks > 90% right, and the greedy accept
