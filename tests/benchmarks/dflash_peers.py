@@ -5,9 +5,10 @@ states of the draft layers' target layers ([T, K x Ht]), blocks of BLOCK_SIZE an
 positions, the target's embedding and head (full vocabulary, frozen), loss decay gamma 7 for both (Eyrie's
 default; SpecForge's is none).
 
-Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward under a
-dense visibility mask with SDPA and its logits at once; SpecForge builds a flex-attention block mask and reduces
-the objective over chunks of 128 blocks under activation checkpointing. SpecForge's layer is Qwen3's (q/k norms),
+Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward (a
+flex-attention block mask over [own blocks | context], train/dflash.py SparseVisibility) and takes the loss
+through the frozen head in chunks that keep no logits; SpecForge builds a flex-attention block mask too and
+reduces the objective over chunks of 128 blocks under activation checkpointing. SpecForge's layer is Qwen3's (q/k norms),
 Eyrie's is SGLang's DFlashDraftModel's.
 
 Useful FLOPs (the same count for both; an estimate, stated): the draft layers over the N x bs block positions
