@@ -181,8 +181,8 @@ class TrainConfig(Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
     attention: Literal["auto", "flex", "blockwise"] = Field(
-        "auto", description="TTT attention: flex (CUDA, fused) or blockwise (any device); for DFlash, flex "
-        "(block-sparse) or blockwise (a dense mask through SDPA); auto: flex on CUDA")
+        "auto", description="TTT attention: flex (CUDA, fused) or blockwise (any device), auto: flex on CUDA; "
+        "DFlash: flex (block-sparse, not yet run on a GPU) or blockwise (a dense mask through SDPA), auto: blockwise")
     activation_checkpointing: bool = Field(False, description="recompute the drafter layer in backward")
     recompute_logits: bool = Field(False, description="recompute the draft-vocab logits in backward instead of "
                                    "keeping their gradient (22% of a llama3-8b unroll's activations), for ~8% "

@@ -206,7 +206,9 @@ class SparseVisibility:
     (each part padded to ttt.flex_length, so one kernel serves every length of a bucket): the kernel skips every
     128 x 128 tile no query of it sees. A block sees its own bs keys and the context before its anchor (anchors
     sorted: a triangle), so most tiles of the dense [N·bs, T + N·bs] rectangle are skipped: at T = 2k with 512
-    blocks of 16, all but ~1/16 of the block part and half the context."""
+    blocks of 16, all but ~1/16 of the block part and half the context. Opt-in (train.attention: flex) until a
+    GPU has timed it and checked its gradients (tests/gpu/test_dflash_loss.py, bench_train.py's
+    eyrie-dflash-flex); on the CPU its forward equals the dense mask's (tests/train/test_dflash.py)."""
 
     def __init__(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -242,13 +244,14 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
                      aux_hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, blocks_per_sample: int,
                      gamma: float | None = None, generator: torch.Generator | None = None,
                      teacher: Teacher | None = None, final_hidden: torch.Tensor | None = None,
-                     attention: str = "auto") -> BlockResult:
+                     attention: str = "dense") -> BlockResult:
     """One right-padded batch: every sample's sampled blocks drafted in one forward, scored against its tokens
     (or, with `teacher`, against the target's distribution for each of them: `teacher` over the full vocabulary
     and `final_hidden` [B, T, H] the shards' final states, position p's giving the token at p + 1).
     `drafter`: the model or its DeepSpeed engine (whose forward gathers ZeRO-3 partitions); embed [V, H] and
-    lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states. `attention`: flex
-    (SparseVisibility, CUDA), dense (block_visibility's mask through SDPA, any device) or auto (flex on CUDA)."""
+    lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states. `attention`: dense
+    (block_visibility's mask through SDPA, any device; measured on the GPU) or flex (SparseVisibility: CUDA's
+    block-sparse kernel; equal to dense on the CPU, not yet timed or run on a GPU)."""
     cfg = getattr(drafter, "module", drafter).config  # the drafter or its DeepSpeed engine
     bs, mask_id = cfg.dflash_config["block_size"], cfg.dflash_config["mask_token_id"]
     B, T = input_ids.shape
@@ -259,8 +262,6 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
     positions = (anchors[..., None] + offsets).reshape(B, N * bs)                  # [B, N·bs]
     tokens = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
     tokens[..., 0] = input_ids.gather(1, anchors)                                  # the anchor token, then masks
-    if attention == "auto":
-        attention = "flex" if device.type == "cuda" else "dense"
     visible = SparseVisibility(anchors, keep, T, bs) if attention == "flex" else block_visibility(anchors, keep, T, bs)
     hidden = drafter(F.embedding(tokens.reshape(B, N * bs), embed).to(aux_hidden.dtype), positions, aux_hidden,
                      torch.arange(T, device=device)[None].expand(B, T), visible)

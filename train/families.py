@@ -119,7 +119,7 @@ def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
                                   torch.ones(target.vocab_size, dtype=torch.bool), device, dtype) \
         if dc.labels == "teacher" else None  # the full vocabulary: a DFlash drafter drafts with the target's head
 
-    attention = {"auto": "auto", "flex": "flex", "blockwise": "dense"}[cfg.train.attention]
+    attention = {"auto": "dense", "flex": "flex", "blockwise": "dense"}[cfg.train.attention]
 
     def step(engine, b: Batch, blocks_from: torch.Generator = generator) -> BlockResult:
         return dflash_objective(engine, embed, lm_head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,

@@ -40,8 +40,9 @@ $PROFILE_DIR). Every row's split_host_ms says how long the host took to launch e
 the GPU waited for the host). --memory-profile adds `live_at_peak` to the first T's rows: the step's allocations
 alive at its peak memory, by the code that made them.
 
-eyrie-dflash, specforge-dflash: the DFlash training steps (blocks of 16 at 512 anchors; tests/benchmarks/
-dflash_peers.py says what each runs and how its FLOPs are counted); tokens/s counts the T context tokens.
+eyrie-dflash, eyrie-dflash-flex, specforge-dflash: the DFlash training steps (blocks of 16 at 512 anchors;
+tests/benchmarks/dflash_peers.py says what each runs and how its FLOPs are counted); tokens/s counts the T context
+tokens.
 
 --loader-samples N (with --peers "" to run it alone) writes N samples of the first shape through data/'s shard
 writer and streams them through the trainer's loader (FeatureData.stream: collate + pin on a thread) while

@@ -5,10 +5,11 @@ states of the draft layers' target layers ([T, K x Ht]), blocks of BLOCK_SIZE an
 positions, the target's embedding and head (full vocabulary, frozen), loss decay gamma 7 for both (Eyrie's
 default; SpecForge's is none).
 
-Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward (a
-flex-attention block mask over [own blocks | context], train/dflash.py SparseVisibility) and takes the loss
-through the frozen head in chunks that keep no logits; SpecForge builds a flex-attention block mask too and
-reduces the objective over chunks of 128 blocks under activation checkpointing. SpecForge's layer is Qwen3's (q/k norms),
+Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward under a
+dense visibility mask with SDPA (eyrie-dflash; eyrie-dflash-flex: the flex-attention block mask over [own blocks |
+context], train.attention: flex) and takes the loss through the frozen head in chunks that keep no logits;
+SpecForge builds a flex-attention block mask and reduces the objective over chunks of 128 blocks under activation
+checkpointing. SpecForge's layer is Qwen3's (q/k norms),
 Eyrie's is SGLang's DFlashDraftModel's.
 
 Useful FLOPs (the same count for both; an estimate, stated): the draft layers over the N x bs block positions
@@ -73,6 +74,8 @@ class EyrieDFlash(Eyrie):
     """The product's DFlash step: train/families.py's objective, on synthetic inputs; backward and optimizer as
     Eyrie's EAGLE-3 step runs them."""
 
+    attention = "dense"  # train.attention: auto/blockwise
+
     def __init__(self, s: dict, activation_checkpointing: bool):
         from data.config import TrainConfig
         from train.dflash import DFlashDrafter
@@ -90,7 +93,7 @@ class EyrieDFlash(Eyrie):
             mask, lengths = torch.ones_like(ids), torch.tensor([ids.shape[1]], device=DEVICE)
         with timer("forward"):
             return dflash_objective(self.engine, self.embed, self.head, ids, aux, mask, lengths, ANCHORS, GAMMA,
-                                    self.generator).loss
+                                    self.generator, attention=self.attention).loss
 
 
 class SpecForgeDFlash:
@@ -137,4 +140,9 @@ class SpecForgeDFlash:
         self.model = self.optimizer = None
 
 
-PEERS = {"eyrie-dflash": EyrieDFlash, "specforge-dflash": SpecForgeDFlash}
+class EyrieDFlashFlex(EyrieDFlash):
+    """The same step with train.attention: flex (the block-sparse kernel; not the default until measured)."""
+    attention = "flex"
+
+
+PEERS = {"eyrie-dflash": EyrieDFlash, "eyrie-dflash-flex": EyrieDFlashFlex, "specforge-dflash": SpecForgeDFlash}
