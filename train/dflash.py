@@ -206,7 +206,7 @@ class SparseVisibility:
     (each part padded to ttt.flex_length, so one kernel serves every length of a bucket): the kernel skips every
     128 x 128 tile no query of it sees. A block sees its own bs keys and the context before its anchor (anchors
     sorted: a triangle), so most tiles of the dense [N·bs, T + N·bs] rectangle are skipped: at T = 2k with 512
-    blocks of 16, all but ~1/16 of the block part and half the context. Opt-in (train.attention: flex) until a
+    blocks of 16, all of the block part's but its diagonal (1 in 64) and about half of the context's. Opt-in (train.attention: flex) until a
     GPU has timed it and checked its gradients (tests/gpu/test_dflash_loss.py, bench_train.py's
     eyrie-dflash-flex); on the CPU its forward equals the dense mask's (tests/train/test_dflash.py)."""
 

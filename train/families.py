@@ -120,6 +120,9 @@ def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
         if dc.labels == "teacher" else None  # the full vocabulary: a DFlash drafter drafts with the target's head
 
     attention = {"auto": "dense", "flex": "flex", "blockwise": "dense"}[cfg.train.attention]
+    if attention == "flex" and device.type != "cuda":
+        raise ValueError(f"train.attention: flex needs CUDA for a DFlash drafter (flex attention has no backward on "
+                         f"{device.type}); use auto or blockwise")
 
     def step(engine, b: Batch, blocks_from: torch.Generator = generator) -> BlockResult:
         return dflash_objective(engine, embed, lm_head, b.input_ids, b.aux_hidden, b.loss_mask, b.lengths,

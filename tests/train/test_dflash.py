@@ -278,3 +278,16 @@ def test_a_dflash_drafter_trains_with_deepspeed_and_exports_for_sglang(features_
                      str(tmp_path / "drafter"), prompts, max_new=24, device="cpu")
     assert decoded["identical_to_greedy"] and decoded["chain"] == "reference decoder, DFlash blocks of 4 (3 drafts)"
     assert 1.0 <= decoded["accept_length"] <= 4.0 and decoded["verify_calls"] <= decoded["completion_tokens"]
+
+
+def test_flex_attention_for_dflash_off_cuda_is_refused_by_its_key(features_run):
+    """train.attention: flex has no backward off CUDA: the family refuses it before any step, naming the key."""
+    from data.config import load_config
+    from data.split import heldout_ids, read_split
+    from train.families import dflash as dflash_family
+    from train.loader import FeatureData
+    cfg = load_config(features_run[0], ["--train.drafter.family", "dflash", "--train.attention", "flex",
+                                        "--train.dflash.block_size", "4", "--target.aux_layer_ids", "[0, 1, 2]"])
+    data = FeatureData(cfg.layout.features, heldout_ids(read_split(cfg.layout.split)), 512, seed=0, rank=0, world=1)
+    with pytest.raises(ValueError, match="train.attention: flex needs CUDA"):
+        dflash_family(cfg, data, torch.device("cpu"), torch.float32)
