@@ -103,7 +103,8 @@ class DFlashDrafter(nn.Module):
         return self.rotary_emb(positions.new_empty((), dtype=dtype), positions)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context_features: torch.Tensor,
-                context_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+                context_positions: torch.Tensor, visible: torch.Tensor | SparseVisibility | None = None
+                ) -> torch.Tensor:
         """The block's final hidden states [B, Tb, H] (the target's head turns them into drafts).
         block_embeds [B, Tb, H]: the target's embedding of the block's tokens (the last emitted one, then mask
         tokens); context_features [B, Tc, K·H]: the target's aux states at `context_positions`; `visible`:
@@ -206,9 +207,9 @@ class SparseVisibility:
     (each part padded to ttt.flex_length, so one kernel serves every length of a bucket): the kernel skips every
     128 x 128 tile no query of it sees. A block sees its own bs keys and the context before its anchor (anchors
     sorted: a triangle), so most tiles of the dense [N·bs, T + N·bs] rectangle are skipped: at T = 2k with 512
-    blocks of 16, all of the block part's but its diagonal (1 in 64) and about half of the context's. Opt-in (train.attention: flex) until a
-    GPU has timed it and checked its gradients (tests/gpu/test_dflash_loss.py, bench_train.py's
-    eyrie-dflash-flex); on the CPU its forward equals the dense mask's (tests/train/test_dflash.py)."""
+    blocks of 16, all of the block part's but its diagonal (1 in 64) and about half of the context's.
+    Opt-in (train.attention: flex) until a GPU has timed it and checked its gradients (tests/gpu/test_dflash_loss.py,
+    bench_train.py's eyrie-dflash-flex); on the CPU its forward equals the dense mask's (tests/train/test_dflash.py)."""
 
     def __init__(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -229,7 +230,8 @@ class SparseVisibility:
 
     def attend(self, q: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
                block: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [B, heads, N·bs, d]; context and block keys/values [B, kv_heads, Tc | N·bs, d] → [B, heads, N·bs, d]."""
+        """q [B, heads, N·bs, d]; context and block keys/values [B, kv_heads, Tc | N·bs, d]
+        → [B, heads, N·bs, d]."""
         def padded(t: torch.Tensor, length: int) -> torch.Tensor:
             return F.pad(t, (0, 0, 0, length - t.shape[2]))
         q = padded(q, self.q_len)

@@ -9,8 +9,7 @@ Choices that differ and are kept, as each project ships them: Eyrie drafts every
 dense visibility mask with SDPA (eyrie-dflash; eyrie-dflash-flex: the flex-attention block mask over [own blocks |
 context], train.attention: flex) and takes the loss through the frozen head in chunks that keep no logits;
 SpecForge builds a flex-attention block mask and reduces the objective over chunks of 128 blocks under activation
-checkpointing. SpecForge's layer is Qwen3's (q/k norms),
-Eyrie's is SGLang's DFlashDraftModel's.
+checkpointing. SpecForge's layer is Qwen3's (q/k norms), Eyrie's is SGLang's DFlashDraftModel's.
 
 Useful FLOPs (the same count for both; an estimate, stated): the draft layers over the N x bs block positions
 (3 x forward: forward and backward), their K/V over the T context positions, fc over T, attention over the

@@ -55,8 +55,8 @@ def test_frozen_head_loss_on_cuda_matches_autograd_and_keeps_no_vocab_sized_tens
 
 def test_flex_block_attention_on_cuda_gives_the_dense_masks_loss_and_gradients():
     """The DFlash objective with train.attention: flex (Inductor's block-sparse kernel) against the dense
-    visibility mask through SDPA (the default): the same loss and parameter gradients (fp32, TF32 off), on two samples of
-    different lengths with grouped-query heads and 40 blocks of 16 per sample."""
+    visibility mask through SDPA (the default): the same loss and parameter gradients (fp32, TF32 off), on two
+    samples of different lengths with grouped-query heads and 40 blocks of 16 per sample."""
     from types import SimpleNamespace
 
     from train.dflash import DFlashDrafter, dflash_config, dflash_objective
