@@ -236,8 +236,9 @@ class _Worker:
             finally:
                 timer.cancel()
             proc.kill()
+            exit_code = proc.wait()  # reaped here, so the worker is gone when the error reaches the caller
             self.log.seek(0)
-            how = f"ran past {timeout:g} s" if hung.is_set() else f"crashed (worker exit {proc.wait()})"
+            how = f"ran past {timeout:g} s" if hung.is_set() else f"crashed (worker exit {exit_code})"
             raise RuntimeError(f"SGLang loader check {how} for {', '.join(paths)}:\n{''.join(printed)[-3000:]}\n"
                                f"{self.log.read()[-3000:]}")
 
