@@ -183,11 +183,10 @@ def stage_commands(cfg: EyrieConfig, stage: str, config: str, overrides: list[st
                  "--master_port", str(launch.master_port or free_port()), str(ROOT / "train" / "main.py"),
                  "--config", config, *overrides]]
     if stage == "export":  # an EAGLE-3 drafter also gets its untrained twin, the evaluate stage's baseline
+        twin = ["--untrained-out", str(run.untrained_drafter), "--seed", str(cfg.seed)] \
+            if cfg.train.drafter.family == "eagle3" else []
         return [[sys.executable, "-m", "serve.export", "--checkpoint", str(run.root), "--tag", "best",
-                 "--out", str(run.drafter)]] + ([
-                [sys.executable, "-m", "serve.export", "--untrained-like", str(run.drafter),
-                 "--seed", str(cfg.seed), "--out", str(run.untrained_drafter)]]
-                if cfg.train.drafter.family == "eagle3" else [])
+                 "--out", str(run.drafter), *twin]]
     if stage == "evaluate":  # an EAGLE-3 drafter beside its untrained twin; a DFlash drafter alone
         twin = ["--drafter", str(run.untrained_drafter)] if cfg.train.drafter.family == "eagle3" else []
         return [[sys.executable, "-m", "serve.evaluate", "--drafter", str(run.drafter), *twin,

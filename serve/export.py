@@ -1,8 +1,7 @@
 """Export a trained drafter for SGLang, or import a third-party one.
 
-    python -m serve.export --checkpoint RUN_DIR [--tag latest|best|stepN] --out DRAFTER_DIR
-    python -m serve.export --from-sglang DIR --out DRAFTER_DIR [--target TARGET]
-    python -m serve.export --untrained-like DRAFTER_DIR --out DIR [--seed 0]
+    python -m serve.export --checkpoint RUN_DIR [--tag latest|best|stepN] --out DRAFTER_DIR [--untrained-out DIR]
+    python -m serve.export --from-sglang DIR --out DRAFTER_DIR [--target TARGET] [--untrained-out DIR]
 
 Export consolidates the DeepSpeed checkpoint (any ZeRO stage, with DeepSpeed's zero_to_fp32), writes
 `config.json` + `model.safetensors` (bf16 weights, int64 `d2t`, bool `t2d`) + a model card, validates the key
@@ -11,8 +10,8 @@ own loader (serve/sglang_check.py). Import reads a published drafter (its layer 
 `--target`, a config naming none takes SGLang's default ids for that target), validates it the same way and
 writes it in this layout, its weights in their stored dtype: `train.warm_start` (which keeps its RoPE and norm
 settings) and `serve.evaluate` take it.
-`--untrained-like` writes a freshly initialised drafter of the same shape, vocab and layer ids: the baseline
-that shows what training bought.
+`--untrained-out` also writes a freshly initialised drafter of the same shape, vocab and layer ids (seed
+`--seed`): the baseline that shows what training bought, in the same process (no second start-up).
 """
 from __future__ import annotations
 
@@ -189,6 +188,8 @@ def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = Tr
 def untrained_like(src: str | Path, out: str | Path, seed: int = 0) -> dict:
     """A drafter of src's shape, draft vocab and layer ids with the initial weights training starts from."""
     from train.drafter import Eagle3Drafter
+    if (read_json(Path(src) / "config.json") or {}).get("architectures") == [dflash_dir.SGLANG_CLASS]:
+        raise DrafterDirError(f"{src}: an untrained twin is made for EAGLE-3 drafters only (this is a DFlash one)")
     config, tensors = read_config(src), read_tensors(src)
     torch.manual_seed(seed)
     model = Eagle3Drafter(config, tensors["d2t"], tensors["t2d"])
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run directory (RUN_DIR) with train/checkpoints")
     src.add_argument("--from-sglang", help="a published EAGLE-3 drafter directory to import")
-    src.add_argument("--untrained-like", help="an exported drafter whose shape an untrained drafter takes")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed for --untrained-like")
+    p.add_argument("--untrained-out", help="also write an untrained EAGLE-3 drafter of the result's shape here")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed for --untrained-out")
     p.add_argument("--target", help="--from-sglang: the target it will serve on (a drafter naming no layer ids "
                                     "takes SGLang's default ids for it)")
     p.add_argument("--tag", default="latest", help="latest | best | stepN")
@@ -225,11 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-sglang-check", action="store_true", help="skip loading the result with SGLang's loader")
     a = p.parse_args(argv)
     try:
-        if a.untrained_like:
-            report = untrained_like(a.untrained_like, a.out, a.seed)
-        else:
-            report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
-                import_sglang(a.from_sglang, a.out, not a.no_sglang_check, a.target)
+        report = export(a.checkpoint, a.tag, a.out, not a.no_sglang_check) if a.checkpoint else \
+            import_sglang(a.from_sglang, a.out, not a.no_sglang_check, a.target)
+        if a.untrained_out:
+            report["untrained"] = untrained_like(a.out, a.untrained_out, a.seed)
     except DrafterDirError as e:
         p.exit(1, f"error: {e}\n")
     print(json.dumps(report, indent=1))

@@ -271,6 +271,10 @@ def test_a_dflash_drafter_trains_with_deepspeed_and_exports_for_sglang(features_
     assert config["dflash_config"]["target_layer_ids"] == [0, 1, 2] and config["dflash_config"]["mask_token_id"] == 3
     if HAVE_SGLANG:
         assert report["sglang_check"]["ok"] and report["sglang_check"]["dflash"]["block_size"] == 4, report
+    from serve.drafter_dir import DrafterDirError
+    from serve.export import untrained_like
+    with pytest.raises(DrafterDirError, match="EAGLE-3 drafters only"):  # export --untrained-out on a DFlash run
+        untrained_like(tmp_path / "drafter", tmp_path / "twin")
     # the reference decoder drafts by blocks and stays lossless: every output is the target's own greedy one
     from serve.decode import run as decode
     prompts = [[{"role": "user", "content": text}] for text in ("Count to five.", "Name a bird.", "Add 2 and 3.")]
