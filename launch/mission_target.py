@@ -22,12 +22,14 @@ OUT/target/training.json
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import signal
 import sysconfig
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +50,8 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate, vocab, sequence leng
 SYSTEM = "You are a precise assistant."
 
 
-def stdlib_functions() -> list[tuple[str, str, str]]:
+@functools.cache  # the scan takes seconds; a process that builds several targets (the tests) makes it once
+def stdlib_functions() -> tuple[tuple[str, str, str], ...]:
     """(module, function name, source) for top-level functions of the standard library with a docstring."""
     import ast
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -66,7 +69,7 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
                 source = ast.get_source_segment(text, node)
                 if source and len(source) < 2000:
                     out.append((path.stem, node.name, source))
-    return out
+    return tuple(out)
 
 
 def stdlib_sources(max_bytes: int) -> list[str]:
@@ -110,7 +113,7 @@ def side_of(item: str) -> str:
     return "drafter" if xxhash.xxh64_intdigest(item.encode(), seed=17) % 2 else "target"
 
 
-def make_dialogues(n: int, functions: list[tuple[str, str, str]], seed: int, side: str,
+def make_dialogues(n: int, functions: Sequence[tuple[str, str, str]], seed: int, side: str,
                    distinct: bool = False) -> list[dict]:
     """Chat conversations of one pool: half the demo's templated tasks, half code tasks answered with stdlib
     source, as far as the pool has them (with `distinct`, each prompt once: the pool runs out of code prompts
