@@ -153,6 +153,7 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
     for i, r in enumerate(rows):
         ids[i, :len(r)] = torch.tensor(r)
     labels = ids.masked_fill(ids == pad, -100)
+    lengths = torch.tensor([len(r) for r in rows])
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
@@ -160,7 +161,9 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
     losses = []
     for step in tqdm(range(steps), desc="train demo target"):
         pick = torch.randint(0, len(rows), (batch,), generator=g)
-        loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != pad).long(), labels=labels[pick]).loss
+        width = int(lengths[pick].max())  # the batch's own longest row: columns past it are padding only
+        x, y = ids[pick, :width], labels[pick, :width]
+        loss = model(input_ids=x, attention_mask=(x != pad).long(), labels=y).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
