@@ -137,36 +137,21 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     export_and_check_with_sglang(drafter, tmp_path / "mla")
 
 
-@pytest.fixture(scope="module")
-def deepseek_demo_features(tmp_path_factory):
+def test_the_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(tmp_path):
     """A tiny DeepseekV3 target trained on the demo corpus (narrow MLA widths: nothing here serves it through
-    SGLang), and the demo-deepseek pipeline's first stages on it: regenerate → data → extract (2 ranks).
-    Returns (config, run dir); the drafters' runs start from copies of it, as a second run_dir would."""
+    SGLang) → regenerate → data → extract (2 ranks) → train (ZeRO-2, 2 ranks, the MLA drafter) → export →
+    reference decoder: lossless, and well above the same drafter untrained. (The Llama drafter's run is the same
+    stages with another drafter module: the demo covers it end to end; on a DeepseekV3 target its export is
+    checked above, and the target's layer ids in tests/data/test_sglang_layer_ids.py.)"""
     from launch.demo_target import build_demo_assets
     from tests.train_runs import demo_config, run_pipeline
-    out = tmp_path_factory.mktemp("deepseek-demo")
-    build_demo_assets(out / "assets", conversations=200, train_steps=300, arch="deepseek_v3", servable_mla=False)
-    config = demo_config("demo-deepseek.yaml", out / "assets", out / "run")
-    run_pipeline(config, "--stages", "regenerate,data,extract", path=out / "run.yaml")
-    return config, out / "run"
-
-
-def test_the_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(deepseek_demo_features, tmp_path):
-    """DeepseekV3 target → regenerate → data → extract (2 ranks) → train (ZeRO-2, 2 ranks, the MLA drafter) →
-    export → reference decoder: lossless, and well above the same drafter untrained. (The Llama drafter's run is
-    the same stages with another drafter module: the demo covers it end to end; on a DeepseekV3 target its export
-    is checked above, and the target's layer ids in tests/data/test_sglang_layer_ids.py.)"""
-    import shutil
-
-    from tests.train_runs import run_pipeline
-    config, features_run = deepseek_demo_features
-    shutil.copytree(features_run, tmp_path / "run")
-    config = json.loads(json.dumps(config))
-    config["run_dir"] = str(tmp_path / "run")
+    build_demo_assets(tmp_path / "assets", conversations=200, train_steps=300, arch="deepseek_v3",
+                      servable_mla=False)
+    config = demo_config("demo-deepseek.yaml", tmp_path / "assets", tmp_path / "run")
     config["train"] |= {"drafter": {"arch": "mla"}}
     out = run_pipeline(config, path=tmp_path / "run.yaml")
-    assert "extract: complete, inputs unchanged; skipped" in out and "-m serve.export" in out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["stage_seconds"]) == {"regenerate", "data", "extract", "train", "export", "evaluate"}, out
     drafter = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     assert report["lossless"] is True
