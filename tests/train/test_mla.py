@@ -173,7 +173,6 @@ KIMI_TEXT = {  # Kimi-K2.5's language model (DeepseekV3 architecture), as its co
 
 def test_real_size_kimi_k25_config_gives_the_published_mla_drafter_shape(tmp_path):
     """No weights: the wrapper config (text_config) alone decides layers, default aux ids and the MLA dims."""
-
     from serve.drafter_dir import expected_shapes, sglang_config
     from train.drafters.mla import softmax_scale
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
