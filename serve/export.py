@@ -188,7 +188,7 @@ def import_sglang(src: str | Path, out: str | Path, check_with_sglang: bool = Tr
 def untrained_like(src: str | Path, out: str | Path, seed: int = 0) -> dict:
     """A drafter of src's shape, draft vocab and layer ids with the initial weights training starts from."""
     from train.drafter import Eagle3Drafter
-    if (read_json(Path(src) / "config.json") or {}).get("architectures") == [dflash_dir.SGLANG_CLASS]:
+    if dflash_dir.is_dflash_dir(src):
         raise DrafterDirError(f"{src}: an untrained twin is made for EAGLE-3 drafters only (this is a DFlash one)")
     config, tensors = read_config(src), read_tensors(src)
     torch.manual_seed(seed)

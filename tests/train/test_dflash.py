@@ -143,8 +143,8 @@ def test_each_block_sees_its_own_block_and_the_context_before_its_anchor():
 def test_flex_attention_gives_the_dense_masks_loss(drafter, monkeypatch):
     """attention: flex (train.attention: flex) against the dense mask through SDPA (the default), on a batch of
     three samples of different lengths and loss spans (one with fewer anchors than blocks: padding blocks) and
-    grouped-query heads: the same loss and accept counts. Forward only: flex has no backward on the CPU (tests/gpu/test_dflash_loss.py
-    compares gradients with Inductor's kernel on CUDA)."""
+    grouped-query heads: the same loss and accept counts. Forward only: flex has no backward on the CPU
+    (tests/gpu/test_dflash_loss.py compares gradients with Inductor's kernel on CUDA)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from train import ttt
