@@ -29,9 +29,10 @@ def deepseek_target(request, make_tokenizer, tmp_path_factory):
     return out
 
 
-def mla_drafter(target, **shape) -> Eagle3Drafter:
+def drafter_of(target, arch: str = "mla", **shape) -> Eagle3Drafter:
+    """A drafter of the target (the MLA one unless `arch` names another), draft vocab 16, layer ids [1, 2, 3]."""
     info = load_target_info(target)
-    config = drafter_config(info, DrafterConfig(arch="mla", **shape), 16, [1, 2, 3])
+    config = drafter_config(info, DrafterConfig(arch=arch, **shape), 16, [1, 2, 3])
     vocab = info.vocab_size
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:16] = True
@@ -39,22 +40,23 @@ def mla_drafter(target, **shape) -> Eagle3Drafter:
     return Eagle3Drafter(config, torch.zeros(16, dtype=torch.int64), t2d)
 
 
-def export_and_check_with_sglang(drafter: Eagle3Drafter, out) -> None:
+def export_and_check_with_sglang(drafter: Eagle3Drafter, out,
+                                 architecture: str = "Eagle3DeepseekV2ForCausalLM") -> None:
     """Export the drafter (without the target's embedding) and load it with SGLang's own class on the CPU."""
     from serve.export import write_drafter_dir
     from serve.sglang_check import check_in_subprocess
     tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     write_drafter_dir(out, drafter.config, tensors, "test")
     report = check_in_subprocess(out)[0]
-    assert report["architecture"] == "Eagle3DeepseekV2ForCausalLM" and report["ok"], report
+    assert report["architecture"] == architecture and report["ok"], report
 
 
 def test_mla_dims_come_from_an_mla_target_and_the_config_wins(deepseek_target):
-    config = mla_drafter(deepseek_target).config
+    config = drafter_of(deepseek_target).config
     assert arch_of(config).name == "mla" and config.architectures == ["Eagle3DeepseekV2ForCausalLM"]
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim) == (16, 16, 8, 8, 8)  # the tiny DeepseekV3 target's
-    assert mla_drafter(deepseek_target, kv_lora_rank=32).config.kv_lora_rank == 32
+    assert drafter_of(deepseek_target, kv_lora_rank=32).config.kv_lora_rank == 32
 
 
 def test_mla_attention_matches_transformers_deepseek_v3(deepseek_target):
@@ -62,7 +64,7 @@ def test_mla_attention_matches_transformers_deepseek_v3(deepseek_target):
     weights; its o_proj's first H rows are ours), causal, interleaved RoPE, at arbitrary positions."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
-    drafter = mla_drafter(deepseek_target)
+    drafter = drafter_of(deepseek_target)
     ours, c = drafter.midlayer.self_attn, drafter.config
     H = c.hidden_size
     ref_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=c.num_attention_heads,
@@ -97,7 +99,7 @@ def test_mla_export_loads_through_sglangs_own_mla_drafter_class(deepseek_target,
     if "yarn" not in deepseek_target.name:
         pytest.skip("not run: SGLang builds MLA RoPE on CPU only for DeepSeek YaRN (get_rope_cpu); the YaRN case runs")
     from serve.drafter_dir import read_config, read_tensors, validate
-    export_and_check_with_sglang(mla_drafter(deepseek_target), tmp_path / "mla")
+    export_and_check_with_sglang(drafter_of(deepseek_target), tmp_path / "mla")
     validate(read_config(tmp_path / "mla"), read_tensors(tmp_path / "mla"), "mla")  # the import path reads it back
 
 
@@ -107,22 +109,14 @@ def test_a_llama_drafter_of_a_deepseek_target_exports_for_sglangs_llama_class(tm
     """The other drafter a DeepseekV3 target can take: Llama attention at the target's width, the target's layer
     ids, SGLang's `LlamaForCausalLMEagle3` building it from every tensor."""
     from launch.demo_target import SGLANG_MLA_DIMS, build_tiny_deepseek
-    from serve.export import write_drafter_dir
-    from serve.sglang_check import check_in_subprocess
     build_tiny_deepseek(tmp_path / "target", vocab_size=64, rope_parameters=YARN, **SGLANG_MLA_DIMS)
-    info = load_target_info(tmp_path / "target")
-    config = drafter_config(info, DrafterConfig(arch="llama"), 16, [1, 2, 3])
-    t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
-    t2d[:16] = True
-    drafter = Eagle3Drafter(config, torch.zeros(16, dtype=torch.int64), t2d)
-    assert arch_of(config).name == "llama" and config.hidden_size == info.hidden_size
-    tensors = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
-    write_drafter_dir(tmp_path / "llama", config, tensors, "test")
+    drafter = drafter_of(tmp_path / "target", arch="llama")
+    assert arch_of(drafter.config).name == "llama"
+    assert drafter.config.hidden_size == load_target_info(tmp_path / "target").hidden_size
+    export_and_check_with_sglang(drafter, tmp_path / "llama", "LlamaForCausalLMEagle3")
     exported = json.loads((tmp_path / "llama" / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    report = check_in_subprocess(tmp_path / "llama")[0]
-    assert report["architecture"] == "LlamaForCausalLMEagle3" and report["ok"], report
 
 
 def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_loader(tmp_path):
@@ -131,7 +125,7 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     kind SGLang builds on a CPU)."""
     from launch.demo_target import SGLANG_MLA_DIMS, build_tiny_deepseek
     build_tiny_deepseek(tmp_path / "target", vocab_size=64, rope_parameters=YARN, **SGLANG_MLA_DIMS)
-    drafter = mla_drafter(tmp_path / "target")
+    drafter = drafter_of(tmp_path / "target")
     assert {k: getattr(drafter.config, k) for k in MLA_FIELDS} == {k: SGLANG_MLA_DIMS[k] for k in MLA_FIELDS}
     assert drafter.config.kv_lora_rank + drafter.config.qk_rope_head_dim == 576  # what SGLang's decode kernel splits
     export_and_check_with_sglang(drafter, tmp_path / "mla")
