@@ -1,5 +1,6 @@
 """Export: DeepSpeed checkpoints of ZeRO-2 and ZeRO-3 → SGLang drafter dirs that SGLang's own loader accepts,
 re-import equal to the trainer's weights, and broken drafters rejected by both checks."""
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -11,11 +12,7 @@ from safetensors.torch import load_file, save_file
 from serve.drafter_dir import DrafterDirError, read_config, read_tensors, validate
 from serve.export import consolidate, export, import_sglang
 
-try:
-    import sglang  # noqa: F401
-    HAVE_SGLANG = True
-except ImportError:
-    HAVE_SGLANG = False
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None  # not imported: the check imports it in its worker
 needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="not run: SGLang's loader check needs sglang "
                                   "(sh serve/install_sglang_cpu.sh installs its CPU-loadable part)")
 
