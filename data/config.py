@@ -182,7 +182,7 @@ class TrainConfig(Section):
         "auto", description="auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
     attention: Literal["auto", "flex", "blockwise"] = Field(
         "auto", description="TTT attention: flex (CUDA, fused) or blockwise (any device), auto: flex on CUDA; "
-        "DFlash: flex (block-sparse, not yet run on a GPU) or blockwise (a dense mask through SDPA), auto: blockwise")
+        "DFlash: flex (block-sparse, CUDA) or blockwise (a dense mask through SDPA, any device), auto: flex on CUDA")
     activation_checkpointing: bool = Field(False, description="recompute the drafter layer in backward")
     recompute_logits: bool = Field(False, description="recompute the draft-vocab logits in backward instead of "
                                    "keeping their gradient (22% of a llama3-8b unroll's activations), for ~8% "

@@ -208,8 +208,9 @@ class SparseVisibility:
     128 x 128 tile no query of it sees. A block sees its own bs keys and the context before its anchor (anchors
     sorted: a triangle), so most tiles of the dense [N·bs, T + N·bs] rectangle are skipped: at T = 2k with 512
     blocks of 16, all of the block part's but its diagonal (1 in 64) and about half of the context's.
-    Opt-in (train.attention: flex) until a GPU has timed it and checked its gradients (tests/gpu/test_dflash_loss.py,
-    bench_train.py's eyrie-dflash-flex); on the CPU its forward equals the dense mask's (tests/train/test_dflash.py)."""
+    The default on CUDA (train.attention: auto): there its loss and gradients equal the dense mask's
+    (tests/gpu/test_dflash_loss.py) and bench_train.py's eyrie-dflash-flex times it; on the CPU, where flex has
+    no backward, its forward equals the dense mask's (tests/train/test_dflash.py)."""
 
     def __init__(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -252,8 +253,8 @@ def dflash_objective(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch
     and `final_hidden` [B, T, H] the shards' final states, position p's giving the token at p + 1).
     `drafter`: the model or its DeepSpeed engine (whose forward gathers ZeRO-3 partitions); embed [V, H] and
     lm_head [V, H] are the target's (frozen); aux_hidden [B, T, K·H] the shards' aux states. `attention`: dense
-    (block_visibility's mask through SDPA, any device; measured on the GPU) or flex (SparseVisibility: CUDA's
-    block-sparse kernel; equal to dense on the CPU, not yet timed or run on a GPU)."""
+    (block_visibility's mask through SDPA, any device) or flex (SparseVisibility: CUDA's block-sparse kernel,
+    the same loss and gradients in fewer tiles)."""
     cfg = getattr(drafter, "module", drafter).config  # the drafter or its DeepSpeed engine
     bs, mask_id = cfg.dflash_config["block_size"], cfg.dflash_config["mask_token_id"]
     B, T = input_ids.shape

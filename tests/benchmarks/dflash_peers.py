@@ -6,8 +6,8 @@ positions, the target's embedding and head (full vocabulary, frozen), loss decay
 default; SpecForge's is none).
 
 Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward under a
-dense visibility mask with SDPA (eyrie-dflash; eyrie-dflash-flex: the flex-attention block mask over [own blocks |
-context], train.attention: flex) and takes the loss through the frozen head in chunks that keep no logits;
+dense visibility mask with SDPA (eyrie-dflash, train.attention: blockwise; eyrie-dflash-flex: the flex-attention
+block mask over [own blocks | context], train.attention: flex, auto's choice on CUDA) and takes the loss through the frozen head in chunks that keep no logits;
 SpecForge builds a flex-attention block mask and reduces the objective over chunks of 128 blocks under activation
 checkpointing. SpecForge's layer is Qwen3's (q/k norms), Eyrie's is SGLang's DFlashDraftModel's.
 
@@ -73,7 +73,7 @@ class EyrieDFlash(Eyrie):
     """The product's DFlash step: train/families.py's objective, on synthetic inputs; backward and optimizer as
     Eyrie's EAGLE-3 step runs them."""
 
-    attention = "dense"  # train.attention: auto/blockwise
+    attention = "dense"  # train.attention: blockwise (auto on a CPU)
 
     def __init__(self, s: dict, activation_checkpointing: bool):
         from data.config import TrainConfig
@@ -140,7 +140,7 @@ class SpecForgeDFlash:
 
 
 class EyrieDFlashFlex(EyrieDFlash):
-    """The same step with train.attention: flex (the block-sparse kernel; not the default until measured)."""
+    """The same step with train.attention: flex (the block-sparse kernel; auto on CUDA)."""
     attention = "flex"
 
 

@@ -154,7 +154,7 @@ def render_train_step(record: dict) -> list[str]:
                                peers.index(row["peer"])))
     for row in rows:
         same = [e for e in rows if e["shape"] == row["shape"] and e["T"] == row["T"]]
-        eyrie = next((e for e in same if e["peer"] == ("eyrie-dflash" if dflash else "eyrie")), None)
+        eyrie = same[0] if same[0]["peer"].startswith("eyrie") else None  # the first Eyrie step the command ran
         versus = "" if eyrie is None or row is eyrie else \
             speedup([row["T"] / t for t in eyrie["step_seconds"]], [row["T"] / t for t in row["step_seconds"]])
         specforge_peaks = [e["peak_gib"] for e in same if e["peer"].startswith("specforge")]
