@@ -119,7 +119,7 @@ def dflash(cfg: EyrieConfig, data: FeatureData, device: torch.device, dtype: tor
                                   torch.ones(target.vocab_size, dtype=torch.bool), device, dtype) \
         if dc.labels == "teacher" else None  # the full vocabulary: a DFlash drafter drafts with the target's head
 
-    # auto: the block-sparse kernel on CUDA (1.3x the dense mask's step, results/train-step-dflash-flex-*.json)
+    # auto: the block-sparse kernel on CUDA (H100: 1.32-1.34x SpecForge's DFlash step, results/train-step-dflash-flex-*)
     attention = {"auto": "flex" if device.type == "cuda" else "dense", "flex": "flex",
                  "blockwise": "dense"}[cfg.train.attention]
     if attention == "flex" and device.type != "cuda":

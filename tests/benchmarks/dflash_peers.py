@@ -6,10 +6,11 @@ positions, the target's embedding and head (full vocabulary, frozen), loss decay
 default; SpecForge's is none).
 
 Choices that differ and are kept, as each project ships them: Eyrie drafts every block in one forward under a
-dense visibility mask with SDPA (eyrie-dflash, train.attention: blockwise; eyrie-dflash-flex: the flex-attention
-block mask over [own blocks | context], train.attention: flex, auto's choice on CUDA) and takes the loss through the frozen head in chunks that keep no logits;
-SpecForge builds a flex-attention block mask and reduces the objective over chunks of 128 blocks under activation
-checkpointing. SpecForge's layer is Qwen3's (q/k norms), Eyrie's is SGLang's DFlashDraftModel's.
+visibility mask (eyrie-dflash: dense, through SDPA, train.attention: blockwise; eyrie-dflash-flex: the
+flex-attention block mask over [own blocks | context], train.attention: flex, auto's choice on CUDA) and takes the
+loss through the frozen head in chunks that keep no logits; SpecForge builds a flex-attention block mask and
+reduces the objective over chunks of 128 blocks under activation checkpointing. SpecForge's layer is Qwen3's (q/k
+norms), Eyrie's is SGLang's DFlashDraftModel's.
 
 Useful FLOPs (the same count for both; an estimate, stated): the draft layers over the N x bs block positions
 (3 x forward: forward and backward), their K/V over the T context positions, fc over T, attention over the
