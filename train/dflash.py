@@ -237,9 +237,7 @@ class SparseVisibility:
             return F.pad(t, (0, 0, 0, length - t.shape[2]))
         q = padded(q, self.q_len)
         k, v = (torch.cat([padded(b, self.q_len), padded(c, self.context_len)], dim=2) for b, c in zip(block, context))
-        for t in (q, k, v):  # every batch size through one kernel per length bucket (as ttt.flex_causal_attention)
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        out = ttt._compiled_flex()(q, k, v, block_mask=self.mask, enable_gqa=k.shape[1] != q.shape[1])
+        out = ttt.bucketed_flex_attention(q, k, v, self.mask, enable_gqa=k.shape[1] != q.shape[1])
         return out[:, :, :self.queries]
 
 

@@ -107,8 +107,19 @@ def _compiled_flex(backend: str = "inductor"):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
     # static lengths (bucketed by flex_length, each with its block mask); the batch size is marked dynamic
-    # per call in flex_causal_attention
+    # per call in bucketed_flex_attention
     return torch.compile(flex_attention, dynamic=False, backend=backend)
+
+
+def bucketed_flex_attention(q, k, v, block_mask, **kwargs):
+    """flex_attention through the compiled kernel of the inputs' lengths (already padded to their flex_length
+    buckets), whatever the batch size: TTT's causal attention and DFlash's block mask both call it."""
+    # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
+    # sizes. Specialised on each, flex compiled a forward and backward kernel for every new (batch size,
+    # bucket) (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
+    for t in (q, k, v):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, **kwargs)
 
 
 def flex_length(T: int) -> int:
@@ -125,13 +136,8 @@ def flex_causal_attention(q, k, v, scale):
     # its (transposed) views straight through, and the stride guards compiled it again (found on the H200 by
     # tests/gpu/test_flex_ttt.py; recompiles counted on the CPU with flex's eager backend)
     q, k, v = (F.pad(t, (0, 0, 0, L - T)) if L != T else t.contiguous() for t in (q, k, v))
-    # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
-    # sizes. Specialised on each, flex compiled a forward and backward kernel for every new (batch size,
-    # bucket) (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
-    for t in (q, k, v):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    out, lse = _compiled_flex()(q, k, v, block_mask=_causal_block_mask(L, str(q.device)), scale=scale,
-                                enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+    out, lse = bucketed_flex_attention(q, k, v, _causal_block_mask(L, str(q.device)), scale=scale,
+                                       enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
     # Contiguous whether cut back to T or not: a view with the padded length's strides made the merge (compiled
     # for dynamic shapes, guarded on strides) compile again for every length exactly at its bucket
     # (tests/gpu/test_flex_ttt.py on the H100: 2 graphs more at T = 2048)
