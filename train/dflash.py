@@ -237,7 +237,7 @@ class SparseVisibility:
             return F.pad(t, (0, 0, 0, length - t.shape[2]))
         q = padded(q, self.q_len)
         k, v = (torch.cat([padded(b, self.q_len), padded(c, self.context_len)], dim=2) for b, c in zip(block, context))
-        out = ttt.bucketed_flex_attention(q, k, v, self.mask, enable_gqa=k.shape[1] != q.shape[1])
+        out = ttt.bucketed_flex_attention(q, k, v, self.mask)
         return out[:, :, :self.queries]
 
 

@@ -113,13 +113,14 @@ def _compiled_flex(backend: str = "inductor"):
 
 def bucketed_flex_attention(q, k, v, block_mask, **kwargs):
     """flex_attention through the compiled kernel of the inputs' lengths (already padded to their flex_length
-    buckets), whatever the batch size: TTT's causal attention and DFlash's block mask both call it."""
+    buckets), whatever the batch size, grouped-query when k has fewer heads than q: TTT's causal attention and
+    DFlash's block mask both call it."""
     # Token-budget batches hold max_batch_tokens // T sequences: every length bucket meets dozens of batch
     # sizes. Specialised on each, flex compiled a forward and backward kernel for every new (batch size,
     # bucket) (the mission run on the H200: 40 steps in 7.6 min). One kernel per bucket:
     for t in (q, k, v):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    return _compiled_flex()(q, k, v, block_mask=block_mask, **kwargs)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
 
 
 def flex_length(T: int) -> int:
@@ -136,8 +137,7 @@ def flex_causal_attention(q, k, v, scale):
     # its (transposed) views straight through, and the stride guards compiled it again (found on the H200 by
     # tests/gpu/test_flex_ttt.py; recompiles counted on the CPU with flex's eager backend)
     q, k, v = (F.pad(t, (0, 0, 0, L - T)) if L != T else t.contiguous() for t in (q, k, v))
-    out, lse = bucketed_flex_attention(q, k, v, _causal_block_mask(L, str(q.device)), scale=scale,
-                                       enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+    out, lse = bucketed_flex_attention(q, k, v, _causal_block_mask(L, str(q.device)), scale=scale, return_lse=True)
     # Contiguous whether cut back to T or not: a view with the padded length's strides made the merge (compiled
     # for dynamic shapes, guarded on strides) compile again for every length exactly at its bucket
     # (tests/gpu/test_flex_ttt.py on the H100: 2 graphs more at T = 2048)
