@@ -4,7 +4,7 @@ tiny DeepseekV3 with `--arch deepseek_v3`, for the MLA drafter: launch/configs/d
 No model hub is reachable, so the demo builds everything itself. The corpus has structure a drafter can
 learn (templated tasks with deterministic answers), so a target trained on it produces predictable text.
 
-    python -m launch.demo_target --out runs/demo/assets [--conversations 400] [--arch deepseek_v3]
+    python -m launch.demo_target --out runs/demo/assets [--conversations 400] [--arch deepseek_v3] [--hidden 128]
 """
 from __future__ import annotations
 
@@ -175,9 +175,11 @@ def train_target(model, tokenizer, conversations: list[dict], steps: int, seq_le
 
 
 def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, train_steps: int = 500,
-                      arch: str = "llama", servable_mla: bool = True) -> dict:
+                      arch: str = "llama", servable_mla: bool = True, hidden: int | None = None) -> dict:
     """Corpus, tokenizer and a tiny target (Llama, or DeepseekV3: MLA + MoE, with SGLANG_MLA_DIMS unless
-    `servable_mla` is False) trained on other conversations of the same tasks."""
+    `servable_mla` is False) trained on other conversations of the same tasks. `hidden`: the target's width
+    (default: the builder's, 64); an INT4 DeepseekV3 target for SGLang needs 128, the narrowest expert width
+    SGLang's Marlin MoE kernel takes (n % 128 == 0, marlin_utils.check_moe_marlin_supports_layer)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     convs = make_conversations(conversations, seed)
@@ -190,7 +192,7 @@ def build_demo_assets(out: str | Path, conversations: int = 400, seed: int = 0, 
     else:
         build, dims = build_tiny_llama, {}
     model = build(out / "target", vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
-                  eos_token_id=tok.eos_token_id, **dims)
+                  eos_token_id=tok.eos_token_id, **dims, **({"hidden": hidden} if hidden else {}))
     losses = train_target(model, tok, corpus, train_steps, seed=seed)
     model.save_pretrained(str(out / "target"))
     info = {"conversations": str(out / "conversations.jsonl"), "target": str(out / "target"),
@@ -205,5 +207,6 @@ if __name__ == "__main__":
     p.add_argument("--conversations", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", choices=["llama", "deepseek_v3"], default="llama")
+    p.add_argument("--hidden", type=int, help="the target's hidden size (default 64)")
     a = p.parse_args()
-    print(build_demo_assets(a.out, a.conversations, a.seed, arch=a.arch))
+    print(build_demo_assets(a.out, a.conversations, a.seed, arch=a.arch, hidden=a.hidden))
