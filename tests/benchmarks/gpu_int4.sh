@@ -12,7 +12,7 @@
 #      and from the bf16 original, then extract.parity between them: per-layer cosine and max abs difference;
 #   2. serve.smoke on the INT4 target: the plain server, the INT4-feature drafter, the bf16-feature drafter, on the
 #      run's held-out prompts (one measurements folder: the second drafter reuses the plain server's passes).
-# Results under $OUT/int4: parity.json, smoke-int4-features.json, smoke-bf16-features.json, logs.
+# Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
@@ -33,8 +33,8 @@ for variant in int4 bf16; do  # the same samples (the int4 run's data), each tar
     --extract.backend sglang --extract.nproc_per_node 1 > "$RESULTS/extract-$variant.log" 2>&1
   log "extract $variant: exit $?"; tail -3 "$RESULTS/extract-$variant.log"
 done
-python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.json" \
-  && cat "$RESULTS/parity.json"
+python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \
+  && cat "$RESULTS/parity.log"  # a table, then the same figures as one JSON line
 
 SERVER_ARGS=(--server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch
              --server-arg=--grammar-backend=none --server-arg=--mem-fraction-static=0.5
