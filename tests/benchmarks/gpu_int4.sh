@@ -7,11 +7,12 @@
 #   rm -rf runs/gpu-int4; for p in runs/int4/assets runs/int4/{int4,bf16}-features/{data,drafter,evaluate,config}; do
 #     mkdir -p runs/gpu-int4/$(dirname $p); cp -al $p runs/gpu-int4/$p; done
 #   device command: EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/gpu_int4.sh   (carry .whl .sgl runs/gpu-int4)
-# Here, in order, each within what is left of BUDGET (default 570 s):
-#   1. SGLang extraction (extract.backend sglang, the engine that serves) of the run's samples from the INT4 target
-#      and from the bf16 original, then extract.parity between them: per-layer cosine and max abs difference;
-#   2. serve.smoke on the INT4 target: the plain server, the INT4-feature drafter, the bf16-feature drafter, on the
-#      run's held-out prompts (one measurements folder: the second drafter reuses the plain server's passes).
+# Here, each within what is left of BUDGET (default 570 s):
+#   - SGLang extraction (extract.backend sglang, the engine that serves) of the run's samples from the INT4 target
+#     and from the bf16 original, then extract.parity between them: per-layer cosine and max abs difference;
+#   - serve.smoke on the INT4 target at CONCURRENCY (default 1,8): the plain server, the INT4-feature drafter, the
+#     bf16-feature drafter, on the run's held-out prompts (one measurements folder: the second drafter reuses the
+#     plain server's passes).
 # Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,28 +25,33 @@ mkdir -p "$RESULTS"
 INT4=runs/int4/assets/target-int4 BF16=runs/int4/assets/target
 CONFIG=runs/int4/int4-features/config/extract.yaml  # the stage config the pipeline wrote
 
-for variant in int4 bf16; do  # the same samples (the int4 run's data), each target's features
-  run=runs/int4/sgl-$variant target=$([ $variant = int4 ] && echo $INT4 || echo $BF16)
-  [ -f $run/features/manifest.json ] && continue
-  mkdir -p $run && cp -al runs/int4/int4-features/data $run/ 2>/dev/null
-  log "extract ($variant target, SGLang)"
-  timeout -k 10 "$(within 200)" python3 -m extract --config $CONFIG --run_dir $run --target.path $target \
-    --extract.backend sglang --extract.nproc_per_node 1 > "$RESULTS/extract-$variant.log" 2>&1
-  log "extract $variant: exit $?"; tail -3 "$RESULTS/extract-$variant.log"
-done
-python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \
-  && cat "$RESULTS/parity.log"  # a table, then the same figures as one JSON line
-
+extract() {  # VARIANT TARGET: SGLang's features of VARIANT's samples (the same conversations, each tokenized
+  local run=runs/int4/sgl-$1  # for its own target: extraction checks the samples name the target it runs)
+  [ -f $run/features/manifest.json ] && return
+  mkdir -p $run && cp -al runs/int4/$1-features/data $run/ 2>/dev/null
+  log "extract ($1 target, SGLang)"
+  timeout -k 10 "$(within 200)" python3 -m extract --config $CONFIG --run_dir $run --target.path $2 \
+    --extract.backend sglang --extract.nproc_per_node 1 > "$RESULTS/extract-$1.log" 2>&1
+  log "extract $1: exit $?"; tail -3 "$RESULTS/extract-$1.log"
+  cp $run/features/manifest.json "$RESULTS/features-$1-manifest.json" 2>/dev/null  # what the shards record
+}
 SERVER_ARGS=(--server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch
              --server-arg=--grammar-backend=none --server-arg=--mem-fraction-static=0.5
              --server-arg=--disable-prefill-cuda-graph --server-arg=--dtype=bfloat16)
-for features in int4 bf16; do  # both drafters on the INT4 target, against the same plain server
-  log "smoke: drafter trained on $features features, served on the INT4 target"
-  timeout -k 20 "$(within 15)" python3 -m serve.smoke --target $INT4 --drafter runs/int4/$features-features/drafter \
-    --run runs/int4/int4-features --concurrency 1,8 --out runs/int4/smoke "${SERVER_ARGS[@]}" \
-    > "$RESULTS/smoke-$features-features.log" 2>&1
-  log "smoke $features: exit $?"; grep -v "^waiting for" "$RESULTS/smoke-$features-features.log" | tail -25
-  cp runs/int4/smoke/report.json "$RESULTS/smoke-$features-features.json" 2>/dev/null
-done
+smoke() {  # FEATURES: the drafter trained on FEATURES' features, served on the INT4 target
+  log "smoke: drafter trained on $1 features, served on the INT4 target"
+  timeout -k 20 "$(within 15)" python3 -m serve.smoke --target $INT4 --drafter runs/int4/$1-features/drafter \
+    --run runs/int4/int4-features --concurrency "${CONCURRENCY:-1,8}" --out runs/int4/smoke "${SERVER_ARGS[@]}" \
+    > "$RESULTS/smoke-$1-features.log" 2>&1
+  log "smoke $1: exit $?"; grep -v "^waiting for" "$RESULTS/smoke-$1-features.log" | tail -25
+  cp runs/int4/smoke/report.json "$RESULTS/smoke-$1-features.json" 2>/dev/null
+}
+# most telling first, should the budget end early: SGLang runs the INT4 target at all, then the accept lengths
+extract int4 $INT4
+smoke int4
+smoke bf16  # against the same plain server: its measurements are reused
+extract bf16 $BF16
+python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \
+  && cat "$RESULTS/parity.log"  # a table, then the same figures as one JSON line
 tar -czf "$RESULTS/servers.tar.gz" runs/int4/smoke 2>/dev/null
 log "done"
