@@ -27,6 +27,10 @@ def test_every_results_file_says_where_it_came_from_and_keeps_every_repeat():
         for c, runs in record["results"].get("throughput", {}).items():
             assert len(runs["baseline"]) >= 3 and len(runs["eagle3"]) >= 3, (path, c)  # every repeat, not a median
             assert all(p["seconds"] >= 10 for p in runs["baseline_passes"] + runs["eagle3_passes"]), (path, c)
+        if record["kind"] == "served":
+            served = [record["results"]["baseline"], *record["results"]["drafters"]]
+            for passes in (p for s in served for p in s["passes"].values()):
+                assert len(passes) >= 3 and all(p["seconds"] >= 10 for p in passes), path
 
 
 def test_a_speedup_whose_range_holds_one_is_no_measurable_difference():
@@ -88,6 +92,52 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
     assert "(0, 1, 2) with `--train.drafter.arch=mla` on the same data" in text
     assert "same steps (75), held-out overlap with training 0" in text
+
+
+def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:
+    """A stand-in serve.smoke report (made-up figures, the keys serve.smoke writes) of one speculative server."""
+    def passes(values):
+        return {"1": [{"requests": 9, "completion_tokens": 900, "seconds": 10.0, "tokens_per_s": v} for v in values]}
+    cost = {"median": 2.0, "min": 1.9, "max": 2.1, "n": 3, "repeats": [2.0, 1.9, 2.1]}
+    return {"target": "t", "drafter": drafter, "timing": {"repeats": 3, "pass_seconds": 10.0, "max_new_tokens": 256,
+                                                          "prompts": "sampled"},
+            "environment": {"commit": "0" * 40, "device": ["NVIDIA H100"], "cpu_count": 16, "python": "3.12",
+                            "versions": {"torch": "2"}},
+            "baseline": {"passes": passes(plain), "step_ms": cost | {"median": 1.0, "min": 0.9, "max": 1.1}},
+            "baseline_command": "sglang.launch_server ...", f"{server}_command": "sglang.launch_server ... --spec",
+            server: {"chain": f"{server} chain", "flags": ["--speculative-algorithm", server.upper()],
+                     "groups": {"sampled": {"prompts": 16, "completion_tokens": 290, "accept_length": 2.5}},
+                     "parity": {"sampled": 1.0}, "passes": passes(tokens_per_s), "step_ms": cost,
+                     "costs": {"break_even_accept_length": {"median": 2.0, "min": 1.7, "max": 2.3},
+                               "limited_by": "nothing", "how": "streamed alone"}},
+            "reference": {"sampled": {"accept_length": {"reference_decoder": {"value": 2.4}},
+                                      "token_parity_with_reference_decoder": 0.9}}}
+
+
+def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, monkeypatch):
+    """record_smoke with two stand-in reports: one row per drafter, each speedup over the shared plain server's
+    passes; reports measured against different plain servers are refused."""
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import record_smoke
+    plain = [100.0, 101.0, 102.0]
+    reports = [served_report("a", "eagle3", [120.0, 125.0, 130.0], plain),
+               served_report("b", "dflash", [90.0, 95.0, 99.0], plain)]
+    for i, report in enumerate(reports):
+        (tmp_path / f"{i}.json").write_text(json.dumps(report))
+    out = record_smoke.main([str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--label", "EAGLE-3", "--label",
+                             "DFlash", "--name", "stand-in", "--date", "2026-12-07", "--command", "c",
+                             "--out", str(tmp_path)])
+    text = "\n".join(render_results.render_served(json.loads(out.read_text())))
+    assert text.startswith("## SGLang serving on t: EAGLE-3, DFlash (2026-12-07)")
+    assert "| EAGLE-3 | eagle3 chain, greedy | sampled | 16 (290) | **2.500** | 2.400 | 100% | 90% |" in text
+    assert "| 1 | 101.0 (100.0-102.0) | 125.0 (120.0-130.0) | faster: 1.24x (1.18-1.30) | 95.0 (90.0-99.0) | " \
+           "slower: 0.94x (0.88-0.99) |" in text
+    assert "- DFlash: cycle 2.000 (1.900-2.100) ms = 2.00 (1.70-2.30) plain steps" in text
+    reports[1]["baseline"]["passes"]["1"][0]["tokens_per_s"] = 99.0  # another plain server's passes
+    (tmp_path / "1.json").write_text(json.dumps(reports[1]))
+    with pytest.raises(SystemExit, match="not measured against the same plain server"):
+        record_smoke.main([str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--name", "x", "--date", "d",
+                           "--command", "c", "--out", str(tmp_path)])
 
 
 def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, monkeypatch):

@@ -126,6 +126,44 @@ def render_smoke(record: dict) -> list[str]:
     return out + throughput_lines(record)
 
 
+def render_served(record: dict) -> list[str]:
+    """Drafters served by SGLang on one target, each beside the same plain server (tests/benchmarks/record_smoke.py)."""
+    r, t = record["results"], record["results"]["timing"]
+    rows, base = r["drafters"], r["baseline"]
+    out = [f"## SGLang serving on {r['target']}: " + ", ".join(d["label"] for d in rows) + f" ({record['date']})", ""]
+    out += provenance(record) + [
+        "### Accept length by held-out group", "",
+        "Tokens per target verify step (SGLang's `spec_accept_length`): completion tokens / verify steps over each "
+        "group's prompts, one greedy pass (deterministic counts, so no repeats).", "",
+        "| drafter | served as | group | prompts (tokens) | SGLang | reference decoder | output = plain server | "
+        "= reference decoder |", "|---|---|---|---|---|---|---|---|"]
+    for d in rows:
+        for group, a in d["accept_length"].items():
+            reference = f"{a['reference_decoder']:.3f}" if "reference_decoder" in a else ""
+            same = f"{a['token_parity_with_reference_decoder']:.0%}" if "reference_decoder" in a else ""
+            out.append(f"| {d['label']} | {d['chain']} | {group} | {a['prompts']} ({a['completion_tokens']}) | "
+                       f"**{a['sglang']:.3f}** | {reference} | {a['parity_with_plain_server']:.0%} | {same} |")
+    passes = len(next(iter(base["throughput"].values())))
+    out += ["", "### Throughput", "",
+            f"Tokens/s, {passes} passes of at least {t['pass_seconds']:g} s per server and concurrency (c clients, "
+            f"each sending the '{t['prompts']}' prompts in turn, {t['max_new_tokens']} new tokens at most, greedy); "
+            "every drafter's speedup is over the same plain server's passes:", "",
+            "| concurrency | plain | " + " | ".join(f"{d['label']} | speedup" for d in rows) + " |",
+            "|---|---|" + "---|---|" * len(rows)]
+    for c, plain in base["throughput"].items():
+        cells = [f"{fmt(spread(d['throughput'][c]))} | {speedup(d['throughput'][c], plain)}" for d in rows]
+        out.append(f"| {c} | {fmt(spread(plain))} | " + " | ".join(cells) + " |")
+    step = base["step_ms"]
+    out += ["", f"Plain decode step and speculative cycle, {step['n']} repeats ({r['costs_how']}): plain step "
+                f"{fmt(step, 3)} ms."]
+    for d in rows:
+        even = d["break_even_accept_length"]
+        accepts = ", ".join(f"{a['sglang']:.3f}" for a in d["accept_length"].values())
+        out.append(f"- {d['label']}: cycle {fmt(d['cycle_ms'], 3)} ms = {fmt(even, 2)} plain steps, the break-even "
+                   f"accept length (measured: {accepts}); {d['limited_by']}.")
+    return out + [""]
+
+
 def render_train_step(record: dict) -> list[str]:
     r = record["results"]
     shapes = ", ".join(dict.fromkeys(row["shape"] for row in r["rows"]))
@@ -205,8 +243,8 @@ def render_drafter_options(record: dict) -> list[str]:
     return out + [""]
 
 
-RENDERERS = {"mission": render_mission, "smoke": render_smoke, "train_step": render_train_step,
-             "drafter_options": render_drafter_options}
+RENDERERS = {"mission": render_mission, "served": render_served, "smoke": render_smoke,
+             "train_step": render_train_step, "drafter_options": render_drafter_options}
 
 
 def render(results: Path = RESULTS) -> str:
