@@ -26,8 +26,12 @@ from data.files import atomic_write_json, load_safetensors, read_json
 # what is quantized (a module name pattern) and what compressed-tensors is told to leave alone
 QUANTIZED = {"routed-experts": re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj"),
              "mlp": re.compile(r".*\.mlp\.(gate|up|down)_proj")}
+# `ignore` is Kimi-K2.5's own list for the MoE targets. Its `gate_up` matters: SGLang checks a fused layer's own
+# name (model.layers.0.mlp.gate_up_proj) against `ignore` where the model class declares no fused mapping for it
+# (DeepseekV2 declares none), so without it SGLang builds the dense first layer's MLP quantized and fails to load
+# its bf16 weights (KeyError: model.layers.0.mlp.gate_up_proj.weight, seen with SGLang 0.5.14 on the GPU machine)
 IGNORED = {"routed-experts": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*",
-                              r"re:.*mlp\.(gate|up|down)_proj$", r"re:.*mlp\.gate$"],
+                              r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
            "mlp": ["lm_head", r"re:.*self_attn.*"]}
 
 
