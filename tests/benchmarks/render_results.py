@@ -111,6 +111,7 @@ def throughput_lines(record: dict) -> list[str]:
 
 
 def render_smoke(record: dict) -> list[str]:
+    """One EAGLE-3 drafter beside the plain server: the files record_smoke.py wrote before it wrote kind `served`."""
     r = record["results"]
     out = [f"## SGLang smoke test: {r['target']} with {r['drafter']} ({record['date']})", ""] + provenance(record)
     out += [f"### Accept length ({r['chain']})", "",
