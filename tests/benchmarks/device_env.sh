@@ -11,6 +11,14 @@ if [ -f .sgl/inductor.tar.xz ] && [ ! -f /tmp/sgl-jit/inductor/.restored ]; then
   mkdir -p /tmp/sgl-jit && tar -C /tmp/sgl-jit -xJf .sgl/inductor.tar.xz && touch /tmp/sgl-jit/inductor/.restored
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The kernels this machine built, as DIR/NAME.tar.xz of /tmp/sgl-jit (TAR-ARGS pick what): jitcache.tar.xz (Triton
+# and TVM-FFI binaries; sglang-env.sh unpacks it) and inductor.tar.xz (Inductor's graphs; unpacked above), copied
+# to .sgl/ they spare a later fresh machine the builds. Whole and within what comes back (16 MB a file), or not at all
+pack_jit() {  # DIR NAME TAR-ARGS
+  local dir=$1 name=$2; shift 2
+  tar -C /tmp/sgl-jit -cf - "$@" 2>/dev/null | timeout 60 xz -T0 -3 >/tmp/$name.tar.xz \
+    && [ "$(stat -c %s /tmp/$name.tar.xz)" -lt 16000000 ] && mv /tmp/$name.tar.xz "$dir/"
+}
 left() { echo $((BUDGET - SECONDS)); }
 within() { local s=$(($(left) - $1)); echo $((s > 1 ? s : 1)); }  # a timeout that keeps $1 s in hand (0 would mean none)
 log() { echo "[$NAME $(date +%T) +${SECONDS}s] $*"; }

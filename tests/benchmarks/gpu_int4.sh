@@ -13,7 +13,7 @@
 #   - serve.smoke on the INT4 target at CONCURRENCY (default 1,8): the plain server, the INT4-feature drafter, the
 #     bf16-feature drafter, on the run's held-out prompts (one measurements folder: the second drafter reuses the
 #     plain server's passes).
-# Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs.
+# Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs, jitcache.tar.xz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
@@ -49,6 +49,9 @@ smoke() {  # FEATURES: the drafter trained on FEATURES' features, served on the 
 # most telling first, should the budget end early: SGLang runs the INT4 target at all, then the accept lengths
 extract int4 $INT4
 smoke int4
+# SGLang's Marlin MoE kernels took 248 s to build on a fresh H100 (its first CUDA-graph capture): copy
+# $OUT/int4/jitcache.tar.xz to .sgl/ for the next machine (.whl + .sgl + runs/gpu-int4 stay within 64 MiB)
+[ -f "$RESULTS/jitcache.tar.xz" ] || pack_jit "$RESULTS" jitcache --exclude=./inductor .
 smoke bf16  # against the same plain server: its measurements are reused
 extract bf16 $BF16
 python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \

@@ -30,18 +30,12 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
     $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $RUN/data/split.json $RUN/data/samples/manifest.json \
     $RUN/train/summary.json $RUN/drafter/README.md $ASSETS/prompts.json $ASSETS/target/training*.json \
     $ASSETS/target/config.json /tmp/gpu-tests.log 2>/dev/null
-  # the kernels this machine built: jitcache.tar.xz (Triton and TVM-FFI binaries; sglang-env.sh unpacks it) and
-  # inductor.tar.xz (Inductor's graphs; unpacked above), copied to .sgl/ they spare a later fresh machine the builds.
-  # Two archives, so that a large Inductor cache cannot keep SGLang's from coming back
-  pack() {  # NAME TAR-ARGS: $OUT_DIR/NAME.tar.xz, whole and within what comes back (16 MB a file), or not at all
-    local name=$1; shift
-    tar -C /tmp/sgl-jit -cf - "$@" 2>/dev/null | timeout 60 xz -T0 -3 >/tmp/$name.tar.xz \
-      && [ "$(stat -c %s /tmp/$name.tar.xz)" -lt 16000000 ] && mv /tmp/$name.tar.xz "$OUT_DIR/"
-  }
-  # Only by the command that reaches the smoke stage: the others return a few kilobytes, so that the next command
-  # finds the machine still warm (it is given back 30 s after a command; 14 MB of caches took longer once)
+  # the kernels this machine built (device_env.sh's pack_jit), in two archives, so that a large Inductor cache
+  # cannot keep SGLang's from coming back; only by the command that reaches the smoke stage: the others return a
+  # few kilobytes, so that the next command finds the machine still warm (it is given back 30 s after a command;
+  # 14 MB of caches took longer once)
   if [ -d /tmp/sgl-jit ] && [ -n "${REACHED_SMOKE:-}" ]; then
-    pack jitcache --exclude=./inductor .; pack inductor ./inductor
+    pack_jit "$OUT_DIR" jitcache --exclude=./inductor .; pack_jit "$OUT_DIR" inductor ./inductor
   fi
   du -sh $RUN/features /tmp/sgl-jit 2>/dev/null; df -h . | tail -1
   log "results in $OUT_DIR"
