@@ -92,6 +92,16 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
     assert "(0, 1, 2) with `--train.drafter.arch=mla` on the same data" in text
     assert "same steps (75), held-out overlap with training 0" in text
+    # DFlash drafters: their offline figure is the block accept length (no tau by chain length)
+    for v in variants.values():
+        for r in v["runs"]:
+            group = r["groups"]["sampled"]
+            group["offline_blocks"] = group.pop("offline_tau_by_steps")[-1]
+    text = "\n".join(render_results.render_drafter_options(record))
+    assert "| variant | overrides | accept length, reference decoder | difference | offline block accept length | " \
+           "difference |" in text and "over blocks anchored in the 'sampled' held-out group's samples" in text
+    assert "| fc_norm | `--train.drafter.fc_norm=true` | 2.700 (2.500-2.900) | +0.200 (+0.100 to +0.300) | " \
+           "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
 
 
 def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:

@@ -39,15 +39,19 @@ def run_variant(config: str, run_dir: Path, overrides: list[str], seed: int, ext
 
 
 def summary(report: dict) -> dict:
-    """What one drafter scored: the reference decoder's accept length on the primary group's prompts and the
-    offline tau over every held-out position of each group."""
+    """What one drafter scored: the reference decoder's accept length on the primary group's prompts and, per
+    group, the offline figure over every held-out position: an EAGLE-3 drafter's tau by chain length, a DFlash
+    drafter's block accept length."""
+    def offline(group: str, v: dict) -> dict:
+        if "offline_tau_by_steps" in v:
+            return {k: v[k] for k in ("offline_tau_by_steps", "heldout_tokens")}
+        return {"offline_blocks": v["offline_blocks"], "heldout_tokens": report["heldout"]["groups"][group]["tokens"]}
     return {"commit": report["commit"], "accept_length": report["accept_length"],
             "offline_accept_length": report["offline_accept_length"], "formula": report["accept_length_formula"],
             "heldout_overlap_with_training": report["heldout"]["heldout_overlap_with_training"],
             "train_steps": report["train"]["steps"], "lossless": report["lossless"],
-            "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder",
-                                             "offline_tau_by_steps", "heldout_samples", "heldout_tokens")}
-                       for g, v in report["accept_length_by_group"].items()}}
+            "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder", "heldout_samples")}
+                       | offline(g, v) for g, v in report["accept_length_by_group"].items()}}
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -215,17 +215,23 @@ def render_drafter_options(record: dict) -> list[str]:
     base = {run["seed"]: run for run in variants[base_name]["runs"]}
     first = base[r["seeds"][0]]
     group = next(iter(first["groups"]))
-    steps = len(first["groups"][group]["offline_tau_by_steps"])
+    tokens = first["groups"][group]["heldout_tokens"]
+    if "offline_tau_by_steps" in first["groups"][group]:  # an EAGLE-3 drafter: tau at the longest chain
+        offline_name, offline_value = "offline tau", lambda run: run["groups"][group]["offline_tau_by_steps"][-1]
+        offline_how = (f"Offline tau: over every position of the '{group}' held-out group ({tokens:,} tokens), "
+                       f"{len(first['groups'][group]['offline_tau_by_steps'])} steps.")
+    else:  # a DFlash drafter: its block accept length on the stored samples
+        offline_name, offline_value = "offline block accept length", lambda run: run["groups"][group]["offline_blocks"]
+        offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a row, "
+                       f"over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
     out = [f"## Drafter options compared: `{r['config']}` ({record['date']})", ""] + provenance(record)
     every = f" with `{' '.join(r['extra_arguments'])}`" if r["extra_arguments"] else ""
     out += [f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} on the same data and "
             f"features for the same steps ({first['train_steps']}), held-out overlap with training "
             f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
-            f"Reference decoder: {first['formula']}. Offline tau: over every position of the '{group}' held-out "
-            f"group ({first['groups'][group]['heldout_tokens']:,} tokens), {steps} steps. Medians (min-max) over the "
-            f"seeds; the difference to `{base_name}` is paired by seed, and a range that holds 0 reads \"no "
-            "measurable difference\".", "",
-            "| variant | overrides | accept length, reference decoder | difference | offline tau | difference |",
+            f"Reference decoder: {first['formula']}. {offline_how} Medians (min-max) over the seeds; the difference "
+            f"to `{base_name}` is paired by seed, and a range that holds 0 reads \"no measurable difference\".", "",
+            f"| variant | overrides | accept length, reference decoder | difference | {offline_name} | difference |",
             "|---|---|---|---|---|---|"]
 
     def paired(runs: list[dict], value) -> tuple[str, str]:
@@ -238,7 +244,7 @@ def render_drafter_options(record: dict) -> list[str]:
             f"({diffs['min']:+.3f} to {diffs['max']:+.3f})"
     for name, v in variants.items():
         decoder = paired(v["runs"], lambda run: run["accept_length"])
-        tau = paired(v["runs"], lambda run: run["groups"][group]["offline_tau_by_steps"][-1])
+        tau = paired(v["runs"], offline_value)
         out.append(f"| {name} | `{' '.join(v['overrides']) or '-'}` | {decoder[0]} | {decoder[1]} | {tau[0]} | "
                    f"{tau[1]} |")
     return out + [""]
