@@ -5,6 +5,9 @@
         --variant plain= --variant fc_norm=--train.drafter.fc_norm=true --seeds 0,1,2 \\
         --record eagle31-demo-DATE [--note "..."] [-- extra pipeline arguments]
 
+DFlash drafters alike, e.g. `--variant tokens= --variant teacher=--train.dflash.labels=teacher ... --
+--train.drafter.family=dflash` (their offline figure is the block accept length instead of tau).
+
 Each (variant, seed) is one pipeline invocation (data,extract,train,export,evaluate) on the same run directory:
 data and extract run once, since their inputs do not change; train, export and evaluate run again for each (the
 pipeline sets the previous drafter run aside as RUN/train.prev-N: delete those where disk is short). Each report
