@@ -261,7 +261,7 @@ def dflash_summary(cfg: EyrieConfig, ev: dict) -> dict:
                 by_group[group]["offline_blocks"], "accept_length_by_group": by_group,
             "lossless": all(decoded[g]["identical_to_greedy"] for g in by_group),
             "accept_length_formula": "completion tokens / target verify steps (SGLang's spec_accept_length): "
-                                     f"reference decoder, {decoded[group]['chain']}, on the '{group}' held-out "
+                                     f"{decoded[group]['chain']}, on the '{group}' held-out "
                                      "group's first prompts; offline: 1 + drafts of a block equal to the sample's "
                                      "tokens in a row, over blocks anchored in the group's stored samples"}
 
