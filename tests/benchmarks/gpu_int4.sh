@@ -6,7 +6,8 @@
 # the drafter trained on the bf16 original's features). Carry them without features/ and train/ checkpoints:
 #   rm -rf runs/gpu-int4; for p in runs/int4/assets runs/int4/{int4,bf16}-features/{data,drafter,evaluate,config}; do
 #     mkdir -p runs/gpu-int4/$(dirname $p); cp -al $p runs/gpu-int4/$p; done
-#   device command: EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/gpu_int4.sh   (carry .whl .sgl runs/gpu-int4)
+#   device command (carry .whl, .sgl, runs/gpu-int4):
+#     EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/gpu_int4.sh
 # Here, each within what is left of BUDGET (default 570 s):
 #   - SGLang extraction (extract.backend sglang, the engine that serves) of the run's samples from the INT4 target
 #     and from the bf16 original, then extract.parity between them: per-layer cosine and max abs difference;
