@@ -110,6 +110,15 @@ def throughput_lines(record: dict) -> list[str]:
                   ""]
 
 
+def accept_cells(group: str, a: dict) -> str:
+    """One held-out group's accept-length cells of a served drafter: prompts (tokens), SGLang's accept length, the
+    reference decoder's where it ran, and output parity with the plain server and with the reference decoder."""
+    reference = f"{a['reference_decoder']:.3f}" if "reference_decoder" in a else ""
+    same = f"{a['token_parity_with_reference_decoder']:.0%}" if "reference_decoder" in a else ""
+    return (f"{group} | {a['prompts']} ({a['completion_tokens']}) | **{a['sglang']:.3f}** | {reference} | "
+            f"{a['parity_with_plain_server']:.0%} | {same}")
+
+
 def render_smoke(record: dict) -> list[str]:
     """One EAGLE-3 drafter beside the plain server: the files record_smoke.py wrote before it wrote kind `served`."""
     r = record["results"]
@@ -119,11 +128,7 @@ def render_smoke(record: dict) -> list[str]:
             "each group's prompts, one greedy pass.", "",
             "| group | prompts (tokens) | SGLang | reference decoder | output = plain server | = reference decoder |",
             "|---|---|---|---|---|---|"]
-    for group, a in r["accept_length"].items():
-        reference = f"{a['reference_decoder']:.3f}" if "reference_decoder" in a else ""
-        same = f"{a['token_parity_with_reference_decoder']:.0%}" if "reference_decoder" in a else ""
-        out.append(f"| {group} | {a['prompts']} ({a['completion_tokens']}) | **{a['sglang']:.3f}** | {reference} | "
-                   f"{a['parity_with_plain_server']:.0%} | {same} |")
+    out += [f"| {accept_cells(group, a)} |" for group, a in r["accept_length"].items()]
     return out + throughput_lines(record)
 
 
@@ -138,12 +143,8 @@ def render_served(record: dict) -> list[str]:
         "group's prompts, one greedy pass (deterministic counts, so no repeats).", "",
         "| drafter | served as | group | prompts (tokens) | SGLang | reference decoder | output = plain server | "
         "= reference decoder |", "|---|---|---|---|---|---|---|---|"]
-    for d in rows:
-        for group, a in d["accept_length"].items():
-            reference = f"{a['reference_decoder']:.3f}" if "reference_decoder" in a else ""
-            same = f"{a['token_parity_with_reference_decoder']:.0%}" if "reference_decoder" in a else ""
-            out.append(f"| {d['label']} | {d['chain']} | {group} | {a['prompts']} ({a['completion_tokens']}) | "
-                       f"**{a['sglang']:.3f}** | {reference} | {a['parity_with_plain_server']:.0%} | {same} |")
+    out += [f"| {d['label']} | {d['chain']} | {accept_cells(group, a)} |"
+            for d in rows for group, a in d["accept_length"].items()]
     passes = len(next(iter(base["throughput"].values())))
     out += ["", "### Throughput", "",
             f"Tokens/s, {passes} passes of at least {t['pass_seconds']:g} s per server and concurrency (c clients, "
