@@ -10,15 +10,20 @@
 #
 #   device command (x3):  EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/mission.sh   (carry .whl, .sgl)
 #   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7), EYRIE_COMMIT (the
-#   commit the tree is, recorded in the reports: the machine's copy has no .git)
+#   commit the tree is, recorded in the reports: the machine's copy has no .git), MISSION_ARGS (config overrides
+#   for every pipeline call, e.g. "--train.epochs 8 --serve.concurrency [1,8]"), GPU_TESTS=0 (skip them), DFLASH=1
+#   (a DFlash drafter too: runs/mission-dflash shares the run's data and features, trains, exports and evaluates
+#   its drafter, and is served beside the EAGLE-3 drafter against the same plain server's measurements)
 # The command that reaches the smoke stage first runs the GPU tests (pytest -m gpu, log gpu-tests.log).
-# Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/)
+# Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/), and
+# with DFLASH=1 both drafters served: record_smoke.py (the two smoke reports in results.tar.gz, --label each).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
 NAME=mission
 source tests/benchmarks/device_env.sh
 RUN=runs/mission
+DFLASH_RUN=runs/mission-dflash
 ASSETS=$RUN/assets
 OUT_DIR=${OUT:-/tmp/mission-out}/mission
 collect() {  # at most 8 files come back from $OUT: the reports as they are, the rest in one archive
@@ -26,10 +31,12 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
   cp -f $RUN/report.json $RUN/evaluate/evaluate.json "$OUT_DIR/" 2>/dev/null
   cp -f $RUN/smoke/report.json "$OUT_DIR/smoke-report.json" 2>/dev/null
   cp -f $RUN/drafter/config.json "$OUT_DIR/drafter-config.json" 2>/dev/null
+  cp -f $DFLASH_RUN/smoke/report.json "$OUT_DIR/dflash-smoke-report.json" 2>/dev/null
   tar -czf "$OUT_DIR/results.tar.gz" --ignore-failed-read $RUN/pipeline $RUN/evaluate $RUN/tensorboard \
     $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $RUN/data/split.json $RUN/data/samples/manifest.json \
     $RUN/train/summary.json $RUN/drafter/README.md $ASSETS/prompts.json $ASSETS/target/training*.json \
-    $ASSETS/target/config.json /tmp/gpu-tests.log 2>/dev/null
+    $ASSETS/target/config.json /tmp/gpu-tests.log $DFLASH_RUN/report.json $DFLASH_RUN/evaluate \
+    $DFLASH_RUN/pipeline $DFLASH_RUN/smoke/*.log $DFLASH_RUN/smoke/*.json $DFLASH_RUN/drafter/config.json 2>/dev/null
   # the kernels this machine built (device_env.sh's pack_jit), in two archives, so that a large Inductor cache
   # cannot keep SGLang's from coming back; only by the command that reaches the smoke stage: the others return a
   # few kilobytes, so that the next command finds the machine still warm (it is given back 30 s after a command;
@@ -53,23 +60,38 @@ if [ ! -f $ASSETS/target/training.json ]; then
 fi
 
 STAGES=regenerate,data,extract,train,export,evaluate
-log "pipeline: $STAGES"
-timeout -k 20 -s INT "$(within 30)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages $STAGES \
-  || { log "pipeline: stopped (exit $?); run this script again to resume"
-       # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
-       for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
+pipeline() {  # RUN_DIR STAGES [OVERRIDES...]: the mission config (and MISSION_ARGS) in RUN_DIR, within the budget
+  local run=$1 stages=$2; shift 2
+  log "pipeline $run: $stages"
+  # shellcheck disable=SC2086  # MISSION_ARGS is a list of overrides, split on purpose
+  timeout -k 20 -s INT "$(within "${RESERVE:-30}")" python3 -m launch.pipeline --config launch/configs/mission.yaml \
+    --run_dir "$run" --stages "$stages" ${MISSION_ARGS:-} "$@"
+}
+stopped() {  # what a stage cut off by the time limit leaves to the next command
+  log "$1: stopped; run this script again to resume"
+  # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
+  for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0
+}
+pipeline $RUN $STAGES || stopped pipeline
+if [ -n "${DFLASH:-}" ]; then  # a DFlash drafter on the same data and features: its run shares the EAGLE-3 run's
+  [ -d $DFLASH_RUN ] || { mkdir -p $DFLASH_RUN && for d in data features pipeline config; do  # finished stages
+    cp -al $RUN/$d $DFLASH_RUN/; done; }                    # (the pipeline skips them: same inputs, same fingerprints)
+  pipeline $DFLASH_RUN $STAGES --train.drafter.family dflash || stopped "pipeline (DFlash)"
+fi
 
 # the smoke test starts a server per configuration; a rerun skips those already measured: room for one
 if [ "$(left)" -lt 150 ]; then
   log "smoke: $(left) s left, too few to start a server; run this script again"; exit 0
 fi
-if [ ! -f /tmp/gpu-tests.log ]; then  # once per machine: the GPU tests at this tree (flex, SGLang extraction, serving)
-  log "GPU tests"
-  timeout -k 10 "$(within 360)" python3 -m pytest -q -rfs -p no:cacheprovider -m gpu tests 2>&1 | tee /tmp/gpu-tests.log \
-    | tail -5
+if [ ! -f /tmp/gpu-tests.log ] && [ "${GPU_TESTS:-1}" = 1 ]; then  # once per machine: the GPU tests at this tree
+  log "GPU tests"                                                   # (flex, SGLang extraction, serving)
+  timeout -k 10 "$(within 360)" python3 -m pytest -q -rfs -p no:cacheprovider -m gpu tests 2>&1 \
+    | tee /tmp/gpu-tests.log | tail -5
   if [ "$(left)" -lt 200 ]; then log "smoke: $(left) s left after the GPU tests; run this script again"; exit 0; fi
 fi
-log "pipeline: smoke"
 REACHED_SMOKE=1
-timeout -k 20 -s INT "$(within 15)" python3 -m launch.pipeline --config launch/configs/mission.yaml --stages smoke \
-  || log "smoke: stopped (exit $?)"
+RESERVE=15 pipeline $RUN smoke || { log "smoke: stopped (exit $?)"; exit 0; }
+if [ -n "${DFLASH:-}" ]; then  # beside the same plain server: its measurements are reused (serve.smoke keys them)
+  mkdir -p $DFLASH_RUN/smoke && cp -n $RUN/smoke/server-baseline.json $DFLASH_RUN/smoke/
+  RESERVE=15 pipeline $DFLASH_RUN smoke --train.drafter.family dflash || log "smoke (DFlash): stopped (exit $?)"
+fi
