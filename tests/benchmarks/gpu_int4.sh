@@ -49,17 +49,28 @@ smoke() {  # FEATURES: the drafter trained on FEATURES' features, served on the 
   log "smoke $1: exit $?"; grep -v "^waiting for" "$RESULTS/smoke-$1-features.log" | tail -25
   cp runs/int4/smoke/report.json "$RESULTS/smoke-$1-features.json" 2>/dev/null
 }
+marlin_built() { compgen -G "/tmp/sgl-jit/tvm-ffi/sgl_kernel_jit_moe_wna16_marlin_bf16_*/*.so" >/dev/null; }
 build_marlin() {  # SGLang's INT4 MoE kernel, built alone and whole before anything needs it
-  local built=(/tmp/sgl-jit/tvm-ffi/sgl_kernel_jit_moe_wna16_marlin_bf16_*/*.so)
-  [ -f "${built[0]}" ] && return
+  marlin_built && return
   # One nvcc translation unit of every Marlin template instance: more than 280 s on a fresh H100, inside the first
-  # forward (extraction's prefill, the server's CUDA-graph capture). Cut off by a stage's time limit it starts over
-  # in the next process, so here it gets the whole command (SGLang 0.5.14's builder, called as its MoE layer does).
-  log "build SGLang's Marlin MoE kernel (bf16)"
-  timeout -k 10 "$(within 20)" python3 -c "import torch
+  # forward (extraction's prefill, the server's CUDA-graph capture). Stopped by a stage's time limit it starts over
+  # in the next process, so here it runs detached (SGLang 0.5.14's builder, called as its MoE layer calls it): a
+  # build this command's budget does not hold goes on, and the next command waits for it.
+  local tag="eyrie: build the Marlin MoE kernel"
+  if ! pgrep -f "$tag" >/dev/null; then
+    log "build SGLang's Marlin MoE kernel (bf16), detached"; date +%s > /tmp/build-marlin.started
+    setsid nohup python3 -c "# $tag
+import torch
 from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as build
-build(torch.bfloat16)" > "$RESULTS/build-marlin.log" 2>&1
-  log "build: exit $?"; tail -3 "$RESULTS/build-marlin.log"
+build(torch.bfloat16)" > /tmp/build-marlin.log 2>&1 < /dev/null &
+  fi
+  while pgrep -f "$tag" >/dev/null && [ "$(left)" -gt 30 ]; do sleep 5; done
+  cp /tmp/build-marlin.log "$RESULTS/"
+  if ! marlin_built; then
+    log "Marlin build not finished$(pgrep -f "$tag" >/dev/null && echo ", still running"): run this command again"
+    tail -5 /tmp/build-marlin.log; exit 0
+  fi
+  log "Marlin kernel built in $(( $(date +%s) - $(cat /tmp/build-marlin.started) )) s"
   # copy $OUT/int4/jitcache.tar.xz to .sgl/: a fresh machine then skips the build (.whl + .sgl + runs/gpu-int4
   # stay within the 64 MiB a call carries)
   pack_jit "$RESULTS" jitcache --exclude=./inductor .
