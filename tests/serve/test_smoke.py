@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from serve.sglang_server import decode_graph_args
-from serve.smoke import accept_length, compare_with_run, cycle_costs, measured_once, server_key
+from serve.smoke import accept_length, cycle_costs, measured_once, server_key
+from serve.smoke_reference import compare_with_run
 from serve.timing import NO_DIFFERENCE, decode_ms, ratio, spread, timed_pass, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
