@@ -2,7 +2,8 @@
 
 Compares two feature datasets of the same samples (two backends, engines or dtypes): per aux layer and
 for the final state, the mean and minimum cosine similarity per token and the max absolute difference.
-So a user can see whether features from one engine match the engine that will serve.
+So a user can see whether features from one engine match the engine that will serve. The last line printed is
+the result as JSON (tests/benchmarks/record_smoke.py --feature-parity reads it).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("b")
     p.add_argument("--max-samples", type=int)
     args = p.parse_args(argv)
-    result = compare(ShardDataset(args.a), ShardDataset(args.b), args.max_samples)
+    result = {"a": args.a, "b": args.b} | compare(ShardDataset(args.a), ShardDataset(args.b), args.max_samples)
     print(f"{'':10} {'cos mean':>10} {'cos min':>10} {'max |diff|':>11}   ({result['samples']} samples, "
           f"{' vs '.join(result['dtypes'])})")
     for name, r in result["layers"].items():

@@ -126,18 +126,31 @@ def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: l
 
 def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, monkeypatch):
     """record_smoke with two stand-in reports: one row per drafter, each speedup over the shared plain server's
-    passes; reports measured against different plain servers are refused."""
+    passes, a drafter served on another copy of its target flagged, extract.parity's figures as a table; reports
+    measured against different plain servers are refused."""
     monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import record_smoke
     plain = [100.0, 101.0, 102.0]
     reports = [served_report("a", "eagle3", [120.0, 125.0, 130.0], plain),
                served_report("b", "dflash", [90.0, 95.0, 99.0], plain)]
+    reports[0]["target_match"] = {"same_target": True, "note": ""}
+    reports[1]["target_match"] = {"same_target": False, "note": "trained on features of t-bf16 (full precision), "
+                                                                "served on t (compressed-tensors)"}
     for i, report in enumerate(reports):
         (tmp_path / f"{i}.json").write_text(json.dumps(report))
+    # extract.parity's output: its table, then the same figures as one JSON line
+    layer = {"cosine_mean": 0.99991, "cosine_min": 0.955, "max_abs_diff": 8.75}
+    parity = {"a": "int4/features", "b": "bf16/features", "samples": 334, "dtypes": ["bfloat16", "bfloat16"],
+              "layers": {"layer 1": layer, "final": layer | {"max_abs_diff": 1.2}}}
+    (tmp_path / "parity.log").write_text("a table\n" + json.dumps(parity) + "\n")
     out = record_smoke.main([str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--label", "EAGLE-3", "--label",
                              "DFlash", "--name", "stand-in", "--date", "2026-12-07", "--command", "c",
-                             "--out", str(tmp_path)])
+                             "--feature-parity", str(tmp_path / "parity.log"), "--out", str(tmp_path)])
     text = "\n".join(render_results.render_served(json.loads(out.read_text())))
+    assert "- DFlash: trained on features of t-bf16 (full precision), served on t (compressed-tensors)." in text
+    assert "- EAGLE-3: trained on" not in text
+    assert "### Features: `int4/features` against `bf16/features`" in text and "over 334 samples" in text
+    assert "| layer 1 | 0.99991 | 0.9550 | 8.75 |" in text and "| final | 0.99991 | 0.9550 | 1.2 |" in text
     assert text.startswith("## SGLang serving on t: EAGLE-3, DFlash (2026-12-07)")
     assert "| EAGLE-3 | eagle3 chain, greedy | sampled | 16 (290) | **2.500** | 2.400 | 100% | 90% |" in text
     assert "| 1 | 101.0 (100.0-102.0) | 125.0 (120.0-130.0) | faster: 1.24x (1.18-1.30) | 95.0 (90.0-99.0) | " \

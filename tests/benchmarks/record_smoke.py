@@ -2,7 +2,8 @@
 
     python tests/benchmarks/record_smoke.py REPORT [REPORT ...] --name NAME --date YYYY-MM-DD --command "..."
                                             [--command "..."] [--label "..." ...] [--note "..."]
-                                            [--invalid KEY=WHY] [--out tests/benchmarks/results]
+                                            [--invalid KEY=WHY] [--feature-parity PARITY_LOG]
+                                            [--out tests/benchmarks/results]
 
 Several reports are several drafters on one target against one plain server (serve.smoke runs with one --out
 reuse the plain server's measurements): each speculative server of each report becomes a row beside that server
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--note", action="append", default=[], help="what a reader must know (repeat)")
     p.add_argument("--invalid", action="append", default=[], metavar="KEY=WHY",
                    help="a measurement in the file that must not be quoted, and why")
+    p.add_argument("--feature-parity", metavar="FILE",
+                   help="extract.parity's output (its last line, JSON): the served target's features against another "
+                        "copy's, e.g. the INT4 target's against its bf16 original's")
     p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args(argv)
     reports = [json.loads(Path(r).read_text()) for r in a.reports]
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> Path:
               "commit": environment["commit"], "environment": environment, "notes": a.note,
               "invalid": dict(item.split("=", 1) for item in a.invalid),
               "results": served_results(reports, a.label or [r["drafter"] for r in reports])}
+    if a.feature_parity:
+        record["results"]["feature_parity"] = json.loads(Path(a.feature_parity).read_text().strip().splitlines()[-1])
     return write_record(record, a.out)
 
 

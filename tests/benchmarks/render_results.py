@@ -163,6 +163,19 @@ def render_served(record: dict) -> list[str]:
         accepts = ", ".join(f"{a['sglang']:.3f}" for a in d["accept_length"].values())
         out.append(f"- {d['label']}: cycle {fmt(d['cycle_ms'], 3)} ms = {fmt(even, 2)} plain steps, the break-even "
                    f"accept length (measured: {accepts}); {d['limited_by']}.")
+    other = [d for d in rows if d["target_match"].get("same_target") is False]
+    if other:  # serve.smoke's flag: the drafter learned another copy's states than the target it was served on
+        out += ["", "Served on another copy of the target than the one whose features trained it:"]
+        out += [f"- {d['label']}: {d['target_match']['note']}." for d in other]
+    if "feature_parity" in r:
+        f = r["feature_parity"]
+        out += ["", f"### Features: `{f['a']}` against `{f['b']}`", "",
+                f"`python -m extract.parity` over {f['samples']} samples ({' vs '.join(f['dtypes'])}): per token, the "
+                "cosine similarity of the two hidden states (mean and minimum over tokens) and the largest absolute "
+                "difference of any element.", "", "| state | cosine mean | cosine min | max abs difference |",
+                "|---|---|---|---|"]
+        out += [f"| {name} | {v['cosine_mean']:.5f} | {v['cosine_min']:.4f} | {v['max_abs_diff']:.3g} |"
+                for name, v in f["layers"].items()]
     return out + [""]
 
 

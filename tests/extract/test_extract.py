@@ -216,6 +216,7 @@ def test_parity_between_fp32_and_bf16_features(prepared, tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     rows = len(ShardDataset(tmp_path / "fp32"))  # the conversations less the duplicates the data stage dropped
     assert result["samples"] == rows > 40 and result["dtypes"] == ["float32", "bfloat16"]
+    assert (result["a"], result["b"]) == (str(tmp_path / "fp32"), str(run / "features"))  # what was compared
     for name, r in result["layers"].items():  # bf16 rounding: close, but not equal
         assert 0.99 < r["cosine_min"] < 1.0 and 0 < r["max_abs_diff"] < 0.5, (name, r)
     same = compare(ShardDataset(tmp_path / "fp32"), ShardDataset(tmp_path / "fp32"))
