@@ -16,7 +16,10 @@
 #     bf16-feature drafter, on the run's held-out prompts (one measurements folder: the second drafter reuses the
 #     plain server's passes).
 # Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs, jitcache.tar.xz.
-# Every step resumes from what the warm machine holds: run the command again until it logs "done".
+# Every step resumes from what the warm machine holds: run the command again until it logs "done". Then, here:
+#   python tests/benchmarks/record_smoke.py INT4/smoke-int4-features.json INT4/smoke-bf16-features.json \
+#     --label "trained on INT4 features" --label "trained on bf16 features" --feature-parity INT4/parity.log \
+#     --name served-int4-DATE --date DATE --command "..."   (INT4: the files_at folder's int4/; then render_results.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
