@@ -17,6 +17,9 @@
 # The command that reaches the smoke stage first runs the GPU tests (pytest -m gpu, log gpu-tests.log).
 # Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/), and
 # with DFLASH=1 both drafters served: record_smoke.py (the two smoke reports in results.tar.gz, --label each).
+# The trained target (7 device-minutes) can be kept for later machines: `bash tests/benchmarks/parts.sh out
+# mission-assets FIRST runs/mission/assets target conversations.jsonl prompts.json` (parts.sh says how); carried
+# back as .parts/mission-assets-*, it is unpacked here instead of trained again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
@@ -49,6 +52,10 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
 }
 trap collect EXIT
 
+# a target trained on an earlier machine, brought back and carried in parts, instead of training one here
+if [ ! -f $ASSETS/target/training.json ] && compgen -G ".parts/*/mission-assets.sha256" >/dev/null; then
+  bash tests/benchmarks/parts.sh in mission-assets $ASSETS || { log "target: carry its other parts first"; exit 0; }
+fi
 if [ ! -f $ASSETS/target/training.json ]; then
   log "target: training (resumes from its last save)"
   # its compiled step's kernels stay out of the caches that come back: the Inductor archive is dropped whole
