@@ -51,8 +51,8 @@ from data.split import primary_group, read_split
 from data.target import declared_dtype, load_target_info
 
 from .drafter_dir import target_match
-from .smoke_reference import compare_with_run, print_reference, reference_decoding
 from .sglang_server import Server, decode_graph_args, gpu_memory_used_mib, server_command, serving
+from .smoke_reference import compare_with_run, print_reference, reference_decoding
 from .sweep import DEFAULT_TREES, Block, Spec, print_recommendations, recommend, spec_names
 from .timing import decode_ms, ratio, spread, timed_pass, verdict
 
