@@ -16,7 +16,8 @@
 #   its drafter, and is served beside the EAGLE-3 drafter against the same plain server's measurements)
 # The command that reaches the smoke stage first runs the GPU tests (pytest -m gpu, log gpu-tests.log).
 # Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/), and
-# with DFLASH=1 both drafters served: record_smoke.py (the two smoke reports in results.tar.gz, --label each).
+# with DFLASH=1 both drafters served: record_smoke.py FILES_AT/mission/smoke-report.json
+# FILES_AT/mission/dflash-smoke-report.json --label EAGLE-3 --label DFlash ... (one plain server's passes).
 # The trained target (7 device-minutes) can be kept for later machines: `bash tests/benchmarks/parts.sh out
 # mission-assets FIRST runs/mission/assets target conversations.jsonl prompts.json` (parts.sh says how); carried
 # back as .parts/mission-assets-*, it is unpacked here instead of trained again.
