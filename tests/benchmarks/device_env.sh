@@ -22,6 +22,13 @@ pack_jit() {  # DIR NAME TAR-ARGS
 left() { echo $((BUDGET - SECONDS)); }
 within() { local s=$(($(left) - $1)); echo $((s > 1 ? s : 1)); }  # a timeout that keeps $1 s in hand (0 would mean none)
 log() { echo "[$NAME $(date +%T) +${SECONDS}s] $*"; }
+step() {  # NAME COMMAND...: a resumable step within the budget (RESERVE s kept in hand, default 30); if it did not
+  local name=$1; shift  # finish, this command stops, for the next one to resume
+  log "$name"
+  timeout -k 20 -s INT "$(within "${RESERVE:-30}")" "$@" || { log "$name: stopped (exit $?); run this script again"
+    # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
+    for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
+}
 
 # a previous command cut off mid-stage may have left servers or ranks behind
 pkill -f sglang.launch_server; pkill -f "train/main.py"; pkill -f "torch.distributed.run"

@@ -68,23 +68,14 @@ if [ ! -f $ASSETS/target/training.json ]; then
 fi
 
 STAGES=regenerate,data,extract,train,export,evaluate
-pipeline() {  # RUN_DIR STAGES [OVERRIDES...]: the mission config (and MISSION_ARGS) in RUN_DIR, within the budget
-  local run=$1 stages=$2; shift 2
-  log "pipeline $run: $stages"
-  # shellcheck disable=SC2086  # MISSION_ARGS is a list of overrides, split on purpose
-  timeout -k 20 -s INT "$(within "${RESERVE:-30}")" python3 -m launch.pipeline --config launch/configs/mission.yaml \
-    --run_dir "$run" --stages "$stages" ${MISSION_ARGS:-} "$@"
-}
-stopped() {  # what a stage cut off by the time limit leaves to the next command
-  log "$1: stopped; run this script again to resume"
-  # training checkpoints the step the SIGINT stopped it at; its ranks outlive the launchers for that save
-  for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0
-}
-pipeline $RUN $STAGES || stopped pipeline
+read -ra OVERRIDES <<< "${MISSION_ARGS:-}"  # split on spaces, never globbed ("[1,8]" is a value, not a pattern)
+PIPELINE=(python3 -m launch.pipeline --config launch/configs/mission.yaml "${OVERRIDES[@]}")
+step "pipeline $RUN: $STAGES" "${PIPELINE[@]}" --run_dir $RUN --stages $STAGES
 if [ -n "${DFLASH:-}" ]; then  # a DFlash drafter on the same data and features: its run shares the EAGLE-3 run's
   [ -d $DFLASH_RUN ] || { mkdir -p $DFLASH_RUN && for d in data features pipeline config; do  # finished stages
     cp -al $RUN/$d $DFLASH_RUN/; done; }                    # (the pipeline skips them: same inputs, same fingerprints)
-  pipeline $DFLASH_RUN $STAGES --train.drafter.family dflash || stopped "pipeline (DFlash)"
+  step "pipeline $DFLASH_RUN: $STAGES" "${PIPELINE[@]}" --run_dir $DFLASH_RUN --stages $STAGES \
+    --train.drafter.family dflash
 fi
 
 # the smoke test starts a server per configuration; a rerun skips those already measured: room for one
@@ -98,8 +89,9 @@ if [ ! -f /tmp/gpu-tests.log ] && [ "${GPU_TESTS:-1}" = 1 ]; then  # once per ma
   if [ "$(left)" -lt 200 ]; then log "smoke: $(left) s left after the GPU tests; run this script again"; exit 0; fi
 fi
 REACHED_SMOKE=1
-RESERVE=15 pipeline $RUN smoke || { log "smoke: stopped (exit $?)"; exit 0; }
+RESERVE=15 step "pipeline $RUN: smoke" "${PIPELINE[@]}" --run_dir $RUN --stages smoke
 if [ -n "${DFLASH:-}" ]; then  # beside the same plain server: its measurements are reused (serve.smoke keys them)
   mkdir -p $DFLASH_RUN/smoke && cp -n $RUN/smoke/server-baseline.json $DFLASH_RUN/smoke/
-  RESERVE=15 pipeline $DFLASH_RUN smoke --train.drafter.family dflash || log "smoke (DFlash): stopped (exit $?)"
+  RESERVE=15 step "pipeline $DFLASH_RUN: smoke" "${PIPELINE[@]}" --run_dir $DFLASH_RUN --stages smoke \
+    --train.drafter.family dflash
 fi

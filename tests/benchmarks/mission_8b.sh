@@ -33,12 +33,6 @@ collect() {  # the reports as they are, the rest in one archive (at most 8 files
   log "results in $OUT_DIR"
 }
 trap collect EXIT
-step() {  # NAME COMMAND...: run a resumable step within the budget; stop this command if it did not finish
-  local name=$1; shift
-  log "$name"
-  timeout -k 20 -s INT "$(within 30)" "$@" || { log "$name: stopped (exit $?); run this script again"
-    for _ in $(seq 20); do pgrep -f "train/main.py" >/dev/null || break; sleep 1; done; exit 0; }
-}
 
 if [ ! -f $SMALL/assets/target/training.json ]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/target-jit/inductor TRITON_CACHE_DIR=/tmp/target-jit/triton \
