@@ -15,7 +15,8 @@
 #   - serve.smoke on the INT4 target at CONCURRENCY (default 1,8): the plain server, the INT4-feature drafter, the
 #     bf16-feature drafter, on the run's held-out prompts (one measurements folder: the second drafter reuses the
 #     plain server's passes).
-# Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, logs, jitcache.tar.xz.
+# Results under $OUT/int4: parity.log, smoke-int4-features.json, smoke-bf16-features.json, jitcache.tar.xz and
+# logs.tar.gz (logs, the shards' manifests, the servers' measurements and logs).
 # Every step resumes from what the warm machine holds: run the command again until it logs "done". Then, here:
 #   python tests/benchmarks/record_smoke.py INT4/smoke-int4-features.json INT4/smoke-bf16-features.json \
 #     --label "trained on INT4 features" --label "trained on bf16 features" --feature-parity INT4/parity.log \
@@ -26,7 +27,11 @@ BUDGET=${MISSION_SECONDS:-570}
 NAME=int4
 source tests/benchmarks/device_env.sh
 RESULTS=${OUT:-/tmp/int4-out}/int4
-mkdir -p "$RESULTS"
+# the logs, the shards' manifests and the servers' files come back as one logs.tar.gz: at most 8 files come back
+# from $OUT, so only the results and the kernel archive are files of their own
+LOGS=/tmp/int4-logs
+mkdir -p "$RESULTS" $LOGS
+trap 'tar -czf "$RESULTS/logs.tar.gz" --ignore-failed-read $LOGS runs/int4/smoke 2>/dev/null' EXIT
 [ -d runs/gpu-int4/runs ] && cp -al runs/gpu-int4/runs . 2>/dev/null
 INT4=runs/int4/assets/target-int4 BF16=runs/int4/assets/target
 CONFIG=runs/int4/int4-features/config/extract.yaml  # the stage config the pipeline wrote
@@ -37,9 +42,9 @@ extract() {  # VARIANT TARGET: SGLang's features of VARIANT's samples (the same 
   mkdir -p $run && cp -al runs/int4/$1-features/data $run/ 2>/dev/null
   log "extract ($1 target, SGLang)"
   timeout -k 10 "$(within 200)" python3 -m extract --config $CONFIG --run_dir $run --target.path $2 \
-    --extract.backend sglang --extract.nproc_per_node 1 > "$RESULTS/extract-$1.log" 2>&1
-  log "extract $1: exit $?"; tail -3 "$RESULTS/extract-$1.log"
-  cp $run/features/manifest.json "$RESULTS/features-$1-manifest.json" 2>/dev/null  # what the shards record
+    --extract.backend sglang --extract.nproc_per_node 1 > $LOGS/extract-$1.log 2>&1
+  log "extract $1: exit $?"; tail -3 $LOGS/extract-$1.log
+  cp $run/features/manifest.json $LOGS/features-$1-manifest.json 2>/dev/null  # what the shards record
 }
 SERVER_ARGS=(--server-arg=--attention-backend=triton --server-arg=--sampling-backend=pytorch
              --server-arg=--grammar-backend=none --server-arg=--mem-fraction-static=0.5
@@ -48,9 +53,11 @@ smoke() {  # FEATURES: the drafter trained on FEATURES' features, served on the 
   log "smoke: drafter trained on $1 features, served on the INT4 target"
   timeout -k 20 "$(within 15)" python3 -m serve.smoke --target $INT4 --drafter runs/int4/$1-features/drafter \
     --run runs/int4/int4-features --concurrency "${CONCURRENCY:-1,8}" --out runs/int4/smoke "${SERVER_ARGS[@]}" \
-    > "$RESULTS/smoke-$1-features.log" 2>&1
-  log "smoke $1: exit $?"; grep -v "^waiting for" "$RESULTS/smoke-$1-features.log" | tail -25
-  cp runs/int4/smoke/report.json "$RESULTS/smoke-$1-features.json" 2>/dev/null
+    > $LOGS/smoke-$1-features.log 2>&1
+  local status=$?
+  log "smoke $1: exit $status"; grep -v "^waiting for" $LOGS/smoke-$1-features.log | tail -25
+  # report.json is shared by both drafters' runs (one --out): only a finished run's is this drafter's
+  [ $status = 0 ] && cp runs/int4/smoke/report.json "$RESULTS/smoke-$1-features.json"
 }
 marlin_built() { compgen -G "/tmp/sgl-jit/tvm-ffi/sgl_kernel_jit_moe_wna16_marlin_bf16_*/*.so" >/dev/null; }
 build_marlin() {  # SGLang's INT4 MoE kernel, built alone and whole before anything needs it
@@ -68,7 +75,7 @@ from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module as b
 build(torch.bfloat16)" > /tmp/build-marlin.log 2>&1 < /dev/null &
   fi
   while pgrep -f "$tag" >/dev/null && [ "$(left)" -gt 30 ]; do sleep 5; done
-  cp /tmp/build-marlin.log "$RESULTS/"
+  cp /tmp/build-marlin.log $LOGS/
   if ! marlin_built; then
     log "Marlin build not finished$(pgrep -f "$tag" >/dev/null && echo ", still running"): run this command again"
     tail -5 /tmp/build-marlin.log; exit 0
@@ -84,10 +91,10 @@ extract int4 $INT4
 smoke int4
 smoke bf16  # against the same plain server: its measurements are reused
 extract bf16 $BF16
-tar -czf "$RESULTS/servers.tar.gz" runs/int4/smoke 2>/dev/null
-if python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" 2>&1 \
-   && [ -f "$RESULTS/smoke-bf16-features.json" ]; then
-  cat "$RESULTS/parity.log"; log "done"  # a table, then the same figures as one JSON line
+if python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \
+   2> $LOGS/parity.err \
+   && [ -f "$RESULTS/smoke-int4-features.json" ] && [ -f "$RESULTS/smoke-bf16-features.json" ]; then
+  cat "$RESULTS/parity.log"; log "done"  # a table, then the same figures as one JSON line (record_smoke reads it)
 else
   log "not finished: run this command again (the warm machine keeps every finished step)"
 fi
