@@ -119,7 +119,8 @@ def test_the_target_description_and_the_teachers_tensors(bf16_and_int4, tmp_path
     source, int4, _ = bf16_and_int4
     info = load_target_info(int4)
     assert info.quantization == ("compressed-tensors pack-quantized: W4A16 int group 32 on Linear (ignoring "
-                                 "lm_head, re:.*self_attn.*, re:.*shared_experts.*, re:.*mlp\\.(gate|up|gate_up|down)_proj.*)")
+                                 "lm_head, re:.*self_attn.*, re:.*shared_experts.*, "
+                                 "re:.*mlp\\.(gate|up|gate_up|down)_proj.*)")
     assert load_target_info(source).quantization == "" and info.dtype == "bfloat16"
     head = load_target_tensors(int4, ["lm_head", "norm", "embed"])
     reference = load_target_tensors(source, ["lm_head", "norm", "embed"])
