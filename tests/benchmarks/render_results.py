@@ -238,10 +238,12 @@ def render_drafter_options(record: dict) -> list[str]:
         offline_name, offline_value = "offline block accept length", lambda run: run["groups"][group]["offline_blocks"]
         offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a row, "
                        f"over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
-    out = [f"## Drafter options compared: `{r['config']}` ({record['date']})", ""] + provenance(record)
+    title = f"Drafters compared on `{r['target']}`" if "target" in r else "Drafter options compared"
+    out = [f"## {title}: `{r['config']}` ({record['date']})", ""] + provenance(record)
     every = f" with `{' '.join(r['extra_arguments'])}`" if r["extra_arguments"] else ""
-    out += [f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} on the same data and "
-            f"features for the same steps ({first['train_steps']}), held-out overlap with training "
+    trained = r.get("trained") or (f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} "
+                                   "on the same data and features")  # record_evaluate.py's variants say their own
+    out += [f"{trained}, for the same steps ({first['train_steps']}), held-out overlap with training "
             f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
             f"Reference decoder: {first['formula']}. {offline_how} Medians (min-max) over the seeds; the difference "
             f"to `{base_name}` is paired by seed, and a range that holds 0 reads \"no measurable difference\".", "",
