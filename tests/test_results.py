@@ -156,6 +156,14 @@ def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, monkey
     assert "| 1 | 101.0 (100.0-102.0) | 125.0 (120.0-130.0) | faster: 1.24x (1.18-1.30) | 95.0 (90.0-99.0) | " \
            "slower: 0.94x (0.88-0.99) |" in text
     assert "- DFlash: cycle 2.000 (1.900-2.100) ms = 2.00 (1.70-2.30) plain steps" in text
+    # the features' parity measured later, added to a file recorded without it
+    out = record_smoke.main([str(tmp_path / "0.json"), "--name", "later", "--date", "d", "--command", "c",
+                             "--out", str(tmp_path)])
+    assert "### Features" not in "\n".join(render_results.render_served(json.loads(out.read_text())))
+    record_smoke.main(["--into", str(out), "--feature-parity", str(tmp_path / "parity.log"), "--command", "p"])
+    later = json.loads(out.read_text())
+    assert later["commands"] == ["c", "p"] and "| layer 1 | 0.99991 | 0.9550 | 8.75 |" in "\n".join(
+        render_results.render_served(later))
     reports[1]["baseline"]["passes"]["1"][0]["tokens_per_s"] = 99.0  # another plain server's passes
     (tmp_path / "1.json").write_text(json.dumps(reports[1]))
     with pytest.raises(SystemExit, match="not measured against the same plain server"):

@@ -4,6 +4,9 @@
                                             [--command "..."] [--label "..." ...] [--note "..."]
                                             [--invalid KEY=WHY] [--feature-parity PARITY_LOG]
                                             [--out tests/benchmarks/results]
+    python tests/benchmarks/record_smoke.py --into RESULTS_FILE --feature-parity PARITY_LOG --command "..."
+
+The second form adds extract.parity's figures, measured by a later command, to a served results file.
 
 Several reports are several drafters on one target against one plain server (serve.smoke runs with one --out
 reuse the plain server's measurements): each speculative server of each report becomes a row beside that server
@@ -62,11 +65,17 @@ def served_results(reports: list[dict], labels: list[str]) -> dict:
                               for name in speculative_servers(report))}
 
 
+def feature_parity(log: str) -> dict:
+    """extract.parity's figures: its output's last line (JSON; a table precedes it)."""
+    return json.loads(Path(log).read_text().strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reports", nargs="+", metavar="REPORT")
-    p.add_argument("--name", required=True)
-    p.add_argument("--date", required=True)
+    p.add_argument("reports", nargs="*", metavar="REPORT")
+    p.add_argument("--into", metavar="RESULTS_FILE", help="add --feature-parity (and --command, --note) to this file")
+    p.add_argument("--name")
+    p.add_argument("--date")
     p.add_argument("--command", action="append", required=True, help="each device command, in order")
     p.add_argument("--label", action="append", default=[], help="each report's drafter, as the table names it")
     p.add_argument("--note", action="append", default=[], help="what a reader must know (repeat)")
@@ -77,6 +86,16 @@ def main(argv: list[str] | None = None) -> Path:
                         "copy's, e.g. the INT4 target's against its bf16 original's")
     p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args(argv)
+    if a.into:
+        if a.reports or not a.feature_parity:
+            p.error("--into takes --feature-parity and no reports")
+        record = json.loads(Path(a.into).read_text())
+        record["commands"] += a.command
+        record["notes"] += a.note
+        record["results"]["feature_parity"] = feature_parity(a.feature_parity)
+        return write_record(record, Path(a.into).parent)
+    if not (a.reports and a.name and a.date):
+        p.error("REPORT, --name and --date are required (or --into)")
     reports = [json.loads(Path(r).read_text()) for r in a.reports]
     if a.label and len(a.label) != len(reports):
         p.error(f"{len(a.label)} --label for {len(reports)} reports: one each, or none")
@@ -86,7 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
               "invalid": dict(item.split("=", 1) for item in a.invalid),
               "results": served_results(reports, a.label or [r["drafter"] for r in reports])}
     if a.feature_parity:
-        record["results"]["feature_parity"] = json.loads(Path(a.feature_parity).read_text().strip().splitlines()[-1])
+        record["results"]["feature_parity"] = feature_parity(a.feature_parity)
     return write_record(record, a.out)
 
 
