@@ -191,3 +191,42 @@ def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, 
     monkeypatch.setenv("EYRIE_COMMIT", "b" * 40)
     with pytest.raises(SystemExit, match="was measured at aaaaaaaaaa .*record it under another name"):
         bench_train.record("kv8", ["--peers", "specforge"], again, append=True, results=tmp_path)
+
+
+def test_drafters_evaluated_on_one_run_are_compared_paired_by_seed(tmp_path, monkeypatch):
+    """record_evaluate with a stand-in serve.evaluate report (made-up figures, the keys serve.evaluate writes): two
+    variants of two drafters each, paired by seed; a drafter missing from the report and unequal training steps are
+    refused."""
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import record_evaluate
+    accepts = {"a0": 2.8, "a1": 2.9, "b0": 2.8, "b1": 2.7}
+    for name in accepts:
+        (tmp_path / name / "drafter").mkdir(parents=True)
+        (tmp_path / name / "report.json").write_text(json.dumps({"train": {"steps": 75}}))
+    drafter = {name: str(tmp_path / name / "drafter") for name in accepts}
+    report = {"target": "t-int4", "heldout_overlap_with_training": 0,
+              "groups": {"sampled": {"samples": 19, "tokens": 1098, "prompts": 17}},
+              "drafters": {drafter[n]: {"sampled": {"accept_length_by_steps": [1.8, a + 0.1],
+                                                    "prompts": {"decoded_accept_length_by_steps": [1.9, a]}}}
+                           for n, a in accepts.items()},
+              "decode": {drafter[n]: {"sampled": {"steps": 2, "chain": "reference decoder, 2 steps",
+                                                  "accept_length": a, "accept_length_formula": "tokens / verify calls",
+                                                  "completion_tokens": 286, "identical_to_greedy": True,
+                                                  "prompts": [{}] * 16}} for n, a in accepts.items()}}
+    (tmp_path / "evaluate.json").write_text(json.dumps(report))
+    args = [str(tmp_path / "evaluate.json"), "--variant", f"A={drafter['a0']},{drafter['a1']}", "--variant",
+            f"B={drafter['b0']},{drafter['b1']}", "--seeds", "0,1", "--how", "B=--target.path bf16",
+            "--trained", "Trained on A's or B's features", "--config", "c.yaml", "--record", "stand-in",
+            "--command", "c", "--out", str(tmp_path)]
+    record = json.loads(record_evaluate.main(args).read_text())
+    text = "\n".join(render_results.render_drafter_options(record))
+    assert text.startswith("## Drafters compared on `t-int4`: `c.yaml`")
+    assert "Trained on A's or B's features, for the same steps (75), held-out overlap with training 0" in text
+    # reference decoder: B - A = 0.0 and -0.2 → holds 0; offline tau (accept + 0.1) alike
+    assert "| B | `--target.path bf16` | 2.750 (2.700-2.800) | no measurable difference: -0.100 (-0.200 to +0.000) |" \
+        in text
+    with pytest.raises(SystemExit):
+        record_evaluate.main(args[:4] + [f"B={drafter['b0']},{tmp_path}/other"] + args[5:])
+    (tmp_path / "b1" / "report.json").write_text(json.dumps({"train": {"steps": 50}}))
+    with pytest.raises(SystemExit):
+        record_evaluate.main(args)

@@ -22,6 +22,10 @@
 #   python tests/benchmarks/record_smoke.py INT4/smoke-int4-features.json INT4/smoke-bf16-features.json \
 #     --label "trained on INT4 features" --label "trained on bf16 features" --feature-parity INT4/parity.log \
 #     --name served-int4-DATE --date DATE --command "..."   (INT4: the files_at folder's int4/; then render_results.py)
+#   or, the parity alone (served-int4-demo-2026-12-07.json has the drafters served; carry runs/int4/assets and the two
+#   runs' data/ and config/ only: about 64 MB with .whl and .sgl, no room for the returned 8.5-MB jitcache.tar.xz):
+#   python tests/benchmarks/record_smoke.py --into tests/benchmarks/results/served-int4-demo-2026-12-07.json \
+#     --feature-parity INT4/parity.log --command "..."
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${MISSION_SECONDS:-570}
