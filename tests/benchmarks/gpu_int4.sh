@@ -88,7 +88,8 @@ wait_marlin_build() {
   while pgrep -f "$MARLIN_TAG" >/dev/null && [ "$(left)" -gt 30 ]; do sleep 5; done
   cp /tmp/build-marlin.log $LOGS/
   if ! marlin_built; then
-    log "Marlin build not finished$(pgrep -f "$MARLIN_TAG" >/dev/null && echo ", still running"): run this command again"
+    local running; pgrep -f "$MARLIN_TAG" >/dev/null && running=", still running"
+    log "Marlin build not finished${running:-}: run this command again"
     tail -5 /tmp/build-marlin.log; exit 0
   fi
   log "Marlin kernel built in $(( $(date +%s) - $(cat /tmp/build-marlin.started) )) s"
