@@ -244,6 +244,19 @@ def served_target(cfg: EyrieConfig):
         yield
 
 
+def eagle3_group_figures(ev: dict, drafter: str, group: str, steps: int = DECODE_STEPS) -> dict:
+    """An EAGLE-3 drafter's figures on one held-out group of a serve.evaluate report (run with --decode): the
+    reference decoder's accept length on the group's first prompts, the offline evaluator's on the same prompts
+    (at `steps`) and over every held-out position (tau and alpha by chain position)."""
+    decoded, offline = ev["decode"][drafter][group], ev["drafters"][drafter][group]
+    return {"prompts": len(decoded["prompts"]), "completion_tokens": decoded["completion_tokens"],
+            "reference_decoder": decoded["accept_length"],
+            "offline_same_prompts": offline["prompts"]["decoded_accept_length_by_steps"][steps - 1],
+            "offline_tau_by_steps": [round(x, 3) for x in offline["accept_length_by_steps"]],
+            "offline_alpha_by_position": [round(x, 3) for x in offline["alpha_by_position"]],
+            "heldout_samples": ev["groups"][group]["samples"], "heldout_tokens": ev["groups"][group]["tokens"]}
+
+
 def dflash_summary(cfg: EyrieConfig, ev: dict) -> dict:
     """A DFlash drafter's figures: the reference decoder's accept length by held-out group (blocks drafted over
     the target, verified, lossless check) beside the offline one (stored features, teacher-forced context)."""
@@ -285,18 +298,10 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     elif stage_done(cfg, "evaluate", prints):
         ev = json.loads(outputs(cfg)["evaluate"].read_text())
         trained, untrained = str(run.drafter), str(run.untrained_drafter)
-        decoded, offline = ev["decode"], ev["drafters"][trained]
+        decoded = ev["decode"]
         chain = f"chain {DECODE_STEPS} steps / top-k 1 / {DECODE_STEPS + 1} draft tokens, greedy"
-        by_group = {g: {"prompts": len(decoded[trained][g]["prompts"]),
-                        "completion_tokens": decoded[trained][g]["completion_tokens"],
-                        "reference_decoder": decoded[trained][g]["accept_length"],
-                        "reference_decoder_untrained": decoded[untrained][g]["accept_length"],
-                        "offline_same_prompts":
-                            offline[g]["prompts"]["decoded_accept_length_by_steps"][DECODE_STEPS - 1],
-                        "offline_tau_by_steps": [round(x, 3) for x in offline[g]["accept_length_by_steps"]],
-                        "offline_alpha_by_position": [round(x, 3) for x in offline[g]["alpha_by_position"]],
-                        "heldout_samples": ev["groups"][g]["samples"], "heldout_tokens": ev["groups"][g]["tokens"]}
-                    for g in ev["groups"]}
+        by_group = {g: eagle3_group_figures(ev, trained, g)
+                    | {"reference_decoder_untrained": decoded[untrained][g]["accept_length"]} for g in ev["groups"]}
         group = primary_group(by_group)
         primary = by_group[group]
         report |= {

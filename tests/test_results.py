@@ -207,6 +207,7 @@ def test_drafters_evaluated_on_one_run_are_compared_paired_by_seed(tmp_path, mon
     report = {"target": "t-int4", "heldout_overlap_with_training": 0,
               "groups": {"sampled": {"samples": 19, "tokens": 1098, "prompts": 17}},
               "drafters": {drafter[n]: {"sampled": {"accept_length_by_steps": [1.8, a + 0.1],
+                                                    "alpha_by_position": [0.8, 0.7],
                                                     "prompts": {"decoded_accept_length_by_steps": [1.9, a]}}}
                            for n, a in accepts.items()},
               "decode": {drafter[n]: {"sampled": {"steps": 2, "chain": "reference decoder, 2 steps",

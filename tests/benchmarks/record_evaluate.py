@@ -25,26 +25,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from data.environment import environment  # noqa: E402
+from data.split import primary_group  # noqa: E402
+from launch.pipeline import eagle3_group_figures  # noqa: E402
 from record_mission import RESULTS, write_record  # noqa: E402  (this script's folder is on sys.path)
 
 
 def drafter_run(report: dict, drafter: str, seed: int) -> dict:
-    """One drafter's figures in compare_options.py's shape (what render_results.render_drafter_options reads)."""
-    offline, decoded = report["drafters"][drafter], report["decode"][drafter]
-    group = next(iter(report["groups"]))
+    """One drafter's figures in compare_options.py's shape (what render_results.render_drafter_options reads), each
+    group's as the pipeline's report gives them."""
+    decoded = report["decode"][drafter]
+    steps = next(iter(decoded.values()))["steps"]
+    groups = {g: eagle3_group_figures(report, drafter, g, steps) for g in report["groups"] if g in decoded}
+    group = primary_group(groups)
     trained = json.loads((Path(drafter).parent / "report.json").read_text())["train"]
-    return {"seed": seed, "drafter": drafter, "accept_length": decoded[group]["accept_length"],
-            "offline_accept_length": offline[group]["prompts"]["decoded_accept_length_by_steps"][
-                decoded[group]["steps"] - 1],
+    return {"seed": seed, "drafter": drafter, "accept_length": groups[group]["reference_decoder"],
+            "offline_accept_length": groups[group]["offline_same_prompts"],
             "formula": f"{decoded[group]['accept_length_formula']}, {decoded[group]['chain']}, greedy, on the "
                        f"'{group}' held-out group's first prompts, served by {report['target']}",
             "heldout_overlap_with_training": report["heldout_overlap_with_training"],
             "train_steps": trained["steps"], "lossless": all(d["identical_to_greedy"] for d in decoded.values()),
-            "groups": {g: {"prompts": len(decoded[g]["prompts"]), "completion_tokens": decoded[g]["completion_tokens"],
-                           "reference_decoder": decoded[g]["accept_length"], "heldout_samples": v["samples"],
-                           "heldout_tokens": v["tokens"],
-                           "offline_tau_by_steps": [round(x, 3) for x in offline[g]["accept_length_by_steps"]]}
-                       for g, v in report["groups"].items() if g in decoded}}
+            "groups": groups}
 
 
 def main(argv: list[str] | None = None) -> Path:
