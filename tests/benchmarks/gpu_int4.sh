@@ -46,7 +46,9 @@ extract() {  # VARIANT TARGET: SGLang's features of VARIANT's samples (the same 
   [ -f $run/features/manifest.json ] && return
   mkdir -p $run && cp -al runs/int4/$1-features/data $run/ 2>/dev/null
   log "extract ($1 target, SGLang)"
-  timeout -k 10 "$(within 200)" python3 -m extract --config $CONFIG --run_dir $run --target.path $2 \
+  local reserve=0  # seconds kept in hand for serving, when a drafter is carried to serve
+  compgen -G "runs/int4/*-features/drafter" >/dev/null && reserve=200
+  timeout -k 10 "$(within $reserve)" python3 -m extract --config $CONFIG --run_dir $run --target.path $2 \
     --extract.backend sglang --extract.nproc_per_node 1 > $LOGS/extract-$1.log 2>&1
   log "extract $1: exit $?"; tail -3 $LOGS/extract-$1.log
   cp $run/features/manifest.json $LOGS/features-$1-manifest.json 2>/dev/null  # what the shards record
