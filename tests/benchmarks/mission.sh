@@ -9,7 +9,8 @@
 # must stay under the 64 MiB a call carries).
 #
 #   device command (x3):  EYRIE_COMMIT=$(git rev-parse HEAD) bash tests/benchmarks/mission.sh   (carry .whl, .sgl)
-#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7), EYRIE_COMMIT (the
+#   env: MISSION_SECONDS (this command's budget, default 570), TARGET_MINUTES (default 7), MISSION_PROMPTS (the
+#   drafter's data: distinct prompts the target answers, default 12000; fewer shorten every stage), EYRIE_COMMIT (the
 #   commit the tree is, recorded in the reports: the machine's copy has no .git), MISSION_ARGS (config overrides
 #   for every pipeline call, e.g. "--train.epochs 8 --serve.concurrency [1,8]"), GPU_TESTS=0 (skip them), DFLASH=1
 #   (a DFlash drafter too: runs/mission-dflash shares the run's data and features, trains, exports and evaluates
@@ -63,6 +64,7 @@ if [ ! -f $ASSETS/target/training.json ]; then
   # past 16 MB, and the drafter's compiles (~100 s) matter more than the target's
   TORCHINDUCTOR_CACHE_DIR=/tmp/target-jit/inductor TRITON_CACHE_DIR=/tmp/target-jit/triton \
   timeout -k 20 -s INT "$(within 30)" python3 -m launch.mission_target --out $ASSETS --minutes "${TARGET_MINUTES:-7}" \
+    --prompts "${MISSION_PROMPTS:-12000}" \
     || log "target: stopped (exit $?)"
   [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
 fi
