@@ -100,6 +100,6 @@ def test_a_dflash_drafter_on_the_demo_features_is_trained_exported_and_evaluated
     report = json.loads((other / "report.json").read_text())
     assert report["family"] == "dflash" and report["lossless"] is True, report
     assert f"[pipeline] DFlash accept length {report['accept_length']:.2f}" in out
-    assert report["accept_length"] > 1.5 and report["offline_accept_length"] > 1.3, report  # demo: 2.36 / 2.22
+    assert report["accept_length"] > 1.5 and report["offline_accept_length"] > 1.3, report  # measured 3.13 / 2.96
     assert "blocks of 8 (7 drafts)" in report["accept_length_formula"]
     assert json.loads((other / "drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
