@@ -40,6 +40,7 @@ trap 'tar -czf "$RESULTS/logs.tar.gz" --ignore-failed-read $LOGS runs/int4/smoke
 [ -d runs/gpu-int4/runs ] && cp -al runs/gpu-int4/runs . 2>/dev/null
 INT4=runs/int4/assets/target-int4 BF16=runs/int4/assets/target
 CONFIG=runs/int4/int4-features/config/extract.yaml  # the stage config the pipeline wrote
+carried() { [ -d runs/int4/$1-features/drafter ]; }  # FEATURES: the drafter trained on them came to be served
 
 extract() {  # VARIANT TARGET: SGLang's features of VARIANT's samples (the same conversations, each tokenized
   local run=runs/int4/sgl-$1  # for its own target: extraction checks the samples name the target it runs)
@@ -47,7 +48,7 @@ extract() {  # VARIANT TARGET: SGLang's features of VARIANT's samples (the same 
   mkdir -p $run && cp -al runs/int4/$1-features/data $run/ 2>/dev/null
   log "extract ($1 target, SGLang)"
   local reserve=0  # seconds kept in hand for serving, when a drafter is carried to serve
-  compgen -G "runs/int4/*-features/drafter" >/dev/null && reserve=200
+  { carried int4 || carried bf16; } && reserve=200
   timeout -k 10 "$(within $reserve)" python3 -m extract --config $CONFIG --run_dir $run --target.path $2 \
     --extract.backend sglang --extract.nproc_per_node 1 > $LOGS/extract-$1.log 2>&1
   log "extract $1: exit $?"; tail -3 $LOGS/extract-$1.log
@@ -58,7 +59,7 @@ SERVER_ARGS=(--server-arg=--attention-backend=triton --server-arg=--sampling-bac
              --server-arg=--disable-prefill-cuda-graph --server-arg=--dtype=bfloat16)
 smoke() {  # FEATURES: the drafter trained on FEATURES' features, served on the INT4 target
   local report=runs/int4/smoke-$1-features.json  # kept on the machine: a later command copies it, not reruns it
-  [ -d runs/int4/$1-features/drafter ] || { log "smoke $1: its drafter is not carried, skipped"; return; }
+  carried $1 || { log "smoke $1: its drafter is not carried, skipped"; return; }
   [ -f $report ] || {
     log "smoke: drafter trained on $1 features, served on the INT4 target"
     timeout -k 20 "$(within 15)" python3 -m serve.smoke --target $INT4 --drafter runs/int4/$1-features/drafter \
@@ -108,7 +109,7 @@ extract int4 $INT4
 smoke int4
 smoke bf16  # against the same plain server: its measurements are reused
 finished() {  # parity, and a smoke report for each carried drafter
-  for f in int4 bf16; do [ -d runs/int4/$f-features/drafter ] && [ ! -f runs/int4/smoke-$f-features.json ] && return 1
+  for f in int4 bf16; do carried $f && [ ! -f runs/int4/smoke-$f-features.json ] && return 1
   done; return 0
 }
 if python3 -m extract.parity runs/int4/sgl-int4/features runs/int4/sgl-bf16/features > "$RESULTS/parity.log" \
