@@ -104,6 +104,38 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
 
 
+
+def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(monkeypatch):
+    """A stand-in record (not a measurement: made-up figures) of one seed, whose second variant's evaluate stage did
+    not run: its other cells read "not run", and one seed's difference says it has no spread."""
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import compare_options
+    train_eval = {"accept_length": 3.0, "chains": 900.0, "tokens": 1500.0, "acc_step0": 0.7,
+                  "p_accepted_through_step0": 0.7, "p_accepted_through_step1": 0.5, "p_accepted_through_step2": 0.3}
+    plain_training = compare_options.training_heldout({"eval": train_eval})
+    assert plain_training["steps"] == 3 and "1 + sum over k < 3 of P" in plain_training["formula"]
+    assert compare_options.training_heldout({"eval": {"accept_length": 2.0, "blocks": 50.0}}) is None  # DFlash
+    plain = {"seed": 0, "commit": "0" * 40, "accept_length": 2.5, "offline_accept_length": 2.5,
+             "formula": "tokens / verify", "heldout_overlap_with_training": 0, "train_steps": 420, "lossless": True,
+             "groups": {"sampled": {"prompts": 16, "completion_tokens": 290, "reference_decoder": 2.5,
+                                    "offline_tau_by_steps": [1.5, 2.0], "heldout_samples": 20, "heldout_tokens": 1200}},
+             "training_heldout": plain_training}
+    cut_off = {"seed": 0, "commit": "0" * 40, "accept_length": None, "offline_accept_length": None, "formula": None,
+               "heldout_overlap_with_training": 0, "train_steps": 420, "lossless": None, "groups": {},
+               "training_heldout": plain_training | {"accept_length": 3.4}}
+    record = {"name": "stand-in", "date": "2026-12-07", "commit": "0" * 40, "commands": ["python compare_options.py"],
+              "environment": {"device": ["gpu"], "cpu_count": 16, "python": "3.12", "versions": {"torch": "2"}},
+              "results": {"config": "mission.yaml", "extra_arguments": [], "seeds": [0],
+                          "variants": {"plain": {"overrides": [], "runs": [plain]},
+                                       "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"], "runs": [cut_off]}}}}
+    text = "\n".join(render_results.render_drafter_options(record))
+    assert "| offline tau | difference | held-out accept length, training evaluation (3 steps) | difference |" in text
+    assert "| plain | `-` | 2.500 (one seed) |  | 2.000 (one seed) |  | 3.000 (one seed) |  |" in text
+    assert "| fc_norm | `--train.drafter.fc_norm=true` | not run |  | not run |  | 3.400 (one seed) | " \
+           "+0.400 (one seed: no spread) |" in text
+    assert "over 900 positions (1,500 tokens) of every held-out group" in text
+    assert "One seed: no spread, so no difference here is established." in text
+
 def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:
     """A stand-in serve.smoke report (made-up figures, the keys serve.smoke writes) of one speculative server."""
     def passes(values):

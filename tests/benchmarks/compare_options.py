@@ -53,8 +53,23 @@ def summary(report: dict) -> dict:
             "offline_accept_length": report["offline_accept_length"], "formula": report["accept_length_formula"],
             "heldout_overlap_with_training": report["heldout"]["heldout_overlap_with_training"],
             "train_steps": report["train"]["steps"], "lossless": report["lossless"],
+            "training_heldout": training_heldout(report["train"]),
             "groups": {g: {k: v[k] for k in ("prompts", "completion_tokens", "reference_decoder", "heldout_samples")}
                        | offline(g, v) for g, v in report["accept_length_by_group"].items()}}
+
+
+def training_heldout(train_summary: dict) -> dict | None:
+    """The training run's last evaluation (train/summary.json's `eval`): every held-out sample of every group,
+    scored by the TTT unroll the drafter trains with. It exists once training ends, so a variant whose evaluate
+    stage was cut off still has this figure."""
+    ev = train_summary.get("eval")
+    if not ev or "chains" not in ev:  # a DFlash drafter's evaluation counts blocks, not chains
+        return None
+    steps = sum(k.startswith("p_accepted_through_step") for k in ev)
+    return {"accept_length": ev["accept_length"], "chains": ev["chains"], "tokens": ev["tokens"], "steps": steps,
+            "acc_step0": ev["acc_step0"],
+            "formula": f"1 + sum over k < {steps} of P(drafts 0..k all equal the target's argmax), per held-out "
+                       "position, in the unroll the drafter trains with (train/ttt.py's accept_length)"}
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -222,7 +222,8 @@ def render_train_step(record: dict) -> list[str]:
 
 
 def render_drafter_options(record: dict) -> list[str]:
-    """Accept lengths of one drafter trained with and without options (tests/benchmarks/compare_options.py)."""
+    """Accept lengths of one drafter trained with and without options (tests/benchmarks/compare_options.py). A
+    run whose evaluate stage did not finish has only its training evaluation: its other cells read "not run"."""
     r = record["results"]
     variants = r["variants"]
     base_name = next(iter(variants))
@@ -238,6 +239,14 @@ def render_drafter_options(record: dict) -> list[str]:
         offline_name, offline_value = "offline block accept length", lambda run: run["groups"][group]["offline_blocks"]
         offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a row, "
                        f"over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
+    columns = [("accept length, reference decoder", lambda run: run["accept_length"]),
+               (offline_name, lambda run: offline_value(run) if run.get("groups") else None)]
+    training = first.get("training_heldout")
+    if training:  # every held-out sample of every group, as training scored them
+        columns.append((f"held-out accept length, training evaluation ({training['steps']} steps)",
+                        lambda run: (run.get("training_heldout") or {}).get("accept_length")))
+        offline_how += (f" Training evaluation: {training['formula']}, over {training['chains']:,.0f} positions "
+                        f"({training['tokens']:,.0f} tokens) of every held-out group.")
     title = f"Drafters compared on `{r['target']}`" if "target" in r else "Drafter options compared"
     out = [f"## {title}: `{r['config']}` ({record['date']})", ""] + provenance(record)
     every = f" with `{' '.join(r['extra_arguments'])}`" if r["extra_arguments"] else ""
@@ -246,23 +255,29 @@ def render_drafter_options(record: dict) -> list[str]:
     out += [f"{trained}, for the same steps ({first['train_steps']}), held-out overlap with training "
             f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
             f"Reference decoder: {first['formula']}. {offline_how} Medians (min-max) over the seeds; the difference "
-            f"to `{base_name}` is paired by seed, and a range that holds 0 reads \"no measurable difference\".", "",
-            f"| variant | overrides | accept length, reference decoder | difference | {offline_name} | difference |",
-            "|---|---|---|---|---|---|"]
+            f"to `{base_name}` is paired by seed, and a range that holds 0 reads \"no measurable difference\"."
+            + (" One seed: no spread, so no difference here is established." if len(r["seeds"]) == 1 else ""), "",
+            "| variant | overrides | " + " | ".join(f"{name} | difference" for name, _ in columns) + " |",
+            "|---|---|" + "---|---|" * len(columns)]
 
     def paired(runs: list[dict], value) -> tuple[str, str]:
-        values = [value(run) for run in runs]
+        measured = [run for run in runs if value(run) is not None]
+        if not measured:
+            return "not run", ""
+        values = spread([value(run) for run in measured])
+        shown = fmt(values, 3) if len(measured) > 1 else f"{values['median']:.3f} (one seed)"
         if runs is variants[base_name]["runs"]:
-            return fmt(spread(values), 3), ""
-        diffs = spread([value(run) - value(base[run["seed"]]) for run in runs])
+            return shown, ""
+        diffs = spread([value(run) - value(base[run["seed"]]) for run in measured if value(base[run["seed"]])
+                        is not None])
+        if len(measured) == 1:
+            return shown, f"{diffs['median']:+.3f} (one seed: no spread)"
         held = diffs["min"] <= 0 <= diffs["max"]
-        return fmt(spread(values), 3), (f"{NO_DIFFERENCE}: " if held else "") + f"{diffs['median']:+.3f} " \
+        return shown, (f"{NO_DIFFERENCE}: " if held else "") + f"{diffs['median']:+.3f} " \
             f"({diffs['min']:+.3f} to {diffs['max']:+.3f})"
     for name, v in variants.items():
-        decoder = paired(v["runs"], lambda run: run["accept_length"])
-        tau = paired(v["runs"], offline_value)
-        out.append(f"| {name} | `{' '.join(v['overrides']) or '-'}` | {decoder[0]} | {decoder[1]} | {tau[0]} | "
-                   f"{tau[1]} |")
+        cells = [cell for _, value in columns for cell in paired(v["runs"], value)]
+        out.append(f"| {name} | `{' '.join(v['overrides']) or '-'}` | " + " | ".join(cells) + " |")
     return out + [""]
 
 
