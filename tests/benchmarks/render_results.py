@@ -268,9 +268,11 @@ def render_drafter_options(record: dict) -> list[str]:
         shown = fmt(values, 3) if len(measured) > 1 else f"{values['median']:.3f} (one seed)"
         if runs is variants[base_name]["runs"]:
             return shown, ""
-        diffs = spread([value(run) - value(base[run["seed"]]) for run in measured if value(base[run["seed"]])
-                        is not None])
-        if len(measured) == 1:
+        pairs = [value(run) - value(base[run["seed"]]) for run in measured if value(base[run["seed"]]) is not None]
+        if not pairs:
+            return shown, ""
+        diffs = spread(pairs)
+        if len(pairs) == 1:
             return shown, f"{diffs['median']:+.3f} (one seed: no spread)"
         held = diffs["min"] <= 0 <= diffs["max"]
         return shown, (f"{NO_DIFFERENCE}: " if held else "") + f"{diffs['median']:+.3f} " \
