@@ -104,7 +104,6 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
 
 
-
 def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(monkeypatch):
     """A stand-in record (not a measurement: made-up figures) of one seed, whose second variant's evaluate stage did
     not run: its other cells read "not run", and one seed's difference says it has no spread."""
@@ -135,6 +134,7 @@ def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(mo
            "+0.400 (one seed: no spread) |" in text
     assert "over 900 positions (1,500 tokens) of every held-out group" in text
     assert "One seed: no spread, so no difference here is established." in text
+
 
 def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:
     """A stand-in serve.smoke report (made-up figures, the keys serve.smoke writes) of one speculative server."""
