@@ -55,7 +55,8 @@ STAGES = ("regenerate", "data", "extract", "train", "export", "evaluate", "smoke
 DEFAULT_STAGES = STAGES[:-1]  # smoke needs a GPU machine with SGLang: run it by name
 UPSTREAM = dict(zip(STAGES[1:], STAGES[:-1]))  # each stage reads what the one before it wrote
 SECTIONS = {"regenerate": ("target", "data"), "data": ("target", "data"), "extract": ("target", "data", "extract"),
-            "train": ("seed", "target", "data", "extract", "train"), "export": (), "evaluate": (),
+            "train": ("seed", "target", "data", "extract", "train"), "export": (),
+            "evaluate": ("run_dir",),  # its report names the drafters by path: a moved or copied run evaluates again
             "smoke": ("serve",)}
 # Bumped when a stage's output gains fields that later stages or the report read (evaluate 2: the same prompts
 # decoded offline; data 2: split.json, evaluate 3: figures per held-out group; smoke 2: repeated timings): a run
@@ -284,8 +285,11 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     run = cfg.layout
     if stage_done(cfg, "data", prints):
         manifest = read_manifest(run.samples)
+        split = json.loads(run.split.read_text())  # the held-out rule and overlap, whatever stage runs next
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
-                   "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"]}
+                   "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"],
+                   "split": {k: split[k] for k in ("rule", "training_samples", "heldout_samples", "groups",
+                                                   "heldout_overlap_with_training")}}
     if stage_done(cfg, "extract", prints):
         features = read_manifest(run.features)
         report["features"] = {"dir": str(run.features), **features["totals"], "skipped": features["skipped"],

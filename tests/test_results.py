@@ -8,6 +8,7 @@ import pytest
 from tests.benchmarks import render_results
 
 RESULTS = Path(render_results.__file__).parent / "results"
+ROOT = Path(render_results.__file__).parents[2]
 
 
 def test_results_md_is_what_the_results_files_render():
@@ -135,6 +136,63 @@ def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(mo
     assert "over 900 positions (1,500 tokens) of every held-out group" in text
     assert "One seed: no spread, so no difference here is established." in text
 
+
+
+def test_a_drafter_scored_after_training_alone_keeps_its_training_evaluation_and_split(demo_run, monkeypatch):
+    """compare_options --stages data,extract,train: the report the pipeline writes when the evaluate stage has not
+    run for the drafter it trained (the real demo run's, summarised as if its evaluate stage were stale) still
+    gives the training evaluation, the steps and the held-out overlap; the evaluated figures are None."""
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import compare_options
+
+    from data.config import load_config
+    from launch.pipeline import fingerprints, summarize
+    run, config_path, _ = demo_run
+    cfg = load_config(str(config_path), [])
+    full = json.loads((run / "report.json").read_text())
+    prints = fingerprints(cfg) | {"evaluate": "another drafter's"}
+    full |= {"commit": "0" * 40}  # what compare_options adds to each report it keeps
+    trained = summarize(cfg, {}, prints) | {"commit": "0" * 40}
+    assert "accept_length" not in trained and trained["split"] == full["split"]
+    assert trained["split"]["heldout_overlap_with_training"] == 0 and "normalised" in trained["split"]["rule"]
+    alone, evaluated = compare_options.summary(trained), compare_options.summary(full)
+    assert alone["training_heldout"] == evaluated["training_heldout"] == \
+        compare_options.training_heldout(full["train"])
+    assert alone["training_heldout"]["accept_length"] > 1.5 and alone["train_steps"] == full["train"]["steps"] > 0
+    assert (alone["accept_length"], alone["groups"], evaluated["accept_length"]) == (None, {}, full["accept_length"])
+    assert alone["heldout_overlap_with_training"] == evaluated["heldout_overlap_with_training"] == 0
+
+
+def test_a_comparison_by_training_evaluation_alone_refuses_dflash_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+    import compare_options
+    with pytest.raises(SystemExit) as stopped:
+        compare_options.main(["--config", str(ROOT / "launch/configs/demo.yaml"), "--run-dir", str(tmp_path),
+                              "--variant", "tokens=", "--stages", "data,extract,train", "--record", "x", "--",
+                              "--train.drafter.family=dflash"])
+    assert stopped.value.code == 2 and "counts blocks" in capsys.readouterr().err
+    assert not (tmp_path / "options").exists()
+
+
+def test_options_compared_by_training_evaluation_alone_show_that_column_only():
+    """A stand-in record (not a measurement: made-up figures) of three seeds where no run was evaluated."""
+    def run(seed: int, accept: float) -> dict:
+        return {"seed": seed, "commit": "0" * 40, "accept_length": None, "offline_accept_length": None,
+                "formula": None, "heldout_overlap_with_training": 0, "train_steps": 140, "lossless": None,
+                "groups": {}, "training_heldout": {"accept_length": accept, "chains": 900.0, "tokens": 1500.0,
+                                                   "steps": 7, "acc_step0": 0.7, "formula": "1 + sum of P"}}
+    record = {"name": "stand-in", "date": "2026-12-07", "commit": "0" * 40, "commands": ["python compare_options.py"],
+              "environment": {"device": ["gpu"], "cpu_count": 16, "python": "3.12", "versions": {"torch": "2"}},
+              "results": {"config": "mission.yaml", "extra_arguments": [], "seeds": [0, 1, 2],
+                          "variants": {"plain": {"overrides": [], "runs": [run(0, 3.0), run(1, 3.2), run(2, 3.1)]},
+                                       "fc_norm": {"overrides": ["--train.drafter.fc_norm=true"],
+                                                   "runs": [run(0, 3.4), run(1, 3.1), run(2, 3.5)]}}}}
+    text = "\n".join(render_results.render_drafter_options(record))
+    assert "| variant | overrides | held-out accept length, training evaluation (7 steps) | difference |" in text
+    assert "| plain | `-` | 3.100 (3.000-3.200) |  |" in text
+    assert "| fc_norm | `--train.drafter.fc_norm=true` | 3.400 (3.100-3.500) | " \
+           "no measurable difference: +0.400 (-0.100 to +0.400) |" in text
+    assert "Reference decoder" not in text and "Training evaluation: 1 + sum of P, over 900 positions" in text
 
 def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:
     """A stand-in serve.smoke report (made-up figures, the keys serve.smoke writes) of one speculative server."""

@@ -223,39 +223,47 @@ def render_train_step(record: dict) -> list[str]:
 
 def render_drafter_options(record: dict) -> list[str]:
     """Accept lengths of one drafter trained with and without options (tests/benchmarks/compare_options.py). A
-    run whose evaluate stage did not finish has only its training evaluation: its other cells read "not run"."""
+    run whose evaluate stage did not finish (or was not asked for) has only its training evaluation: its other
+    cells read "not run", and a comparison where no run was evaluated shows the training evaluation alone."""
     r = record["results"]
     variants = r["variants"]
     base_name = next(iter(variants))
     base = {run["seed"]: run for run in variants[base_name]["runs"]}
     first = base[r["seeds"][0]]
-    group = next(iter(first["groups"]))
-    tokens = first["groups"][group]["heldout_tokens"]
-    if "offline_tau_by_steps" in first["groups"][group]:  # an EAGLE-3 drafter: tau at the longest chain
-        offline_name, offline_value = "offline tau", lambda run: run["groups"][group]["offline_tau_by_steps"][-1]
-        offline_how = (f"Offline tau: over every position of the '{group}' held-out group ({tokens:,} tokens), "
-                       f"{len(first['groups'][group]['offline_tau_by_steps'])} steps.")
-    else:  # a DFlash drafter: its block accept length on the stored samples
-        offline_name, offline_value = "offline block accept length", lambda run: run["groups"][group]["offline_blocks"]
-        offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a row, "
-                       f"over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
-    columns = [("accept length, reference decoder", lambda run: run["accept_length"]),
-               (offline_name, lambda run: offline_value(run) if run.get("groups") else None)]
-    training = first.get("training_heldout")
+    every_run = [run for v in variants.values() for run in v["runs"]]
+    evaluated = next((run for run in every_run if run["groups"]), None)  # names the groups and the formula
+    columns, how = [], []
+    if evaluated:
+        group = next(iter(evaluated["groups"]))
+        tokens = evaluated["groups"][group]["heldout_tokens"]
+        if "offline_tau_by_steps" in evaluated["groups"][group]:  # an EAGLE-3 drafter: tau at the longest chain
+            offline_name = "offline tau"
+            offline_value = lambda run: run["groups"][group]["offline_tau_by_steps"][-1]  # noqa: E731
+            offline_how = (f"Offline tau: over every position of the '{group}' held-out group ({tokens:,} tokens), "
+                           f"{len(evaluated['groups'][group]['offline_tau_by_steps'])} steps.")
+        else:  # a DFlash drafter: its block accept length on the stored samples
+            offline_name = "offline block accept length"
+            offline_value = lambda run: run["groups"][group]["offline_blocks"]  # noqa: E731
+            offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a "
+                           f"row, over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
+        columns += [("accept length, reference decoder", lambda run: run["accept_length"]),
+                    (offline_name, lambda run: offline_value(run) if run.get("groups") else None)]
+        how += [f"Reference decoder: {evaluated['formula']}.", offline_how]
+    training = next((run["training_heldout"] for run in every_run if run.get("training_heldout")), None)
     if training:  # every held-out sample of every group, as training scored them
         columns.append((f"held-out accept length, training evaluation ({training['steps']} steps)",
                         lambda run: (run.get("training_heldout") or {}).get("accept_length")))
-        offline_how += (f" Training evaluation: {training['formula']}, over {training['chains']:,.0f} positions "
-                        f"({training['tokens']:,.0f} tokens) of every held-out group.")
+        how.append(f"Training evaluation: {training['formula']}, over {training['chains']:,.0f} positions "
+                   f"({training['tokens']:,.0f} tokens) of every held-out group.")
     title = f"Drafters compared on `{r['target']}`" if "target" in r else "Drafter options compared"
     out = [f"## {title}: `{r['config']}` ({record['date']})", ""] + provenance(record)
     every = f" with `{' '.join(r['extra_arguments'])}`" if r["extra_arguments"] else ""
     trained = r.get("trained") or (f"Each variant trained once per seed ({', '.join(map(str, r['seeds']))}){every} "
                                    "on the same data and features")  # record_evaluate.py's variants say their own
     out += [f"{trained}, for the same steps ({first['train_steps']}), held-out overlap with training "
-            f"{max(run['heldout_overlap_with_training'] for v in variants.values() for run in v['runs'])}. "
-            f"Reference decoder: {first['formula']}. {offline_how} Medians (min-max) over the seeds; the difference "
-            f"to `{base_name}` is paired by seed, and a range that holds 0 reads \"no measurable difference\"."
+            f"{max(run['heldout_overlap_with_training'] for run in every_run)}. {' '.join(how)} Medians (min-max) "
+            f"over the seeds; the difference to `{base_name}` is paired by seed, and a range that holds 0 reads "
+            f"\"no measurable difference\"."
             + (" One seed: no spread, so no difference here is established." if len(r["seeds"]) == 1 else ""), "",
             "| variant | overrides | " + " | ".join(f"{name} | difference" for name, _ in columns) + " |",
             "|---|---|" + "---|---|" * len(columns)]

@@ -124,6 +124,9 @@ def test_a_config_change_invalidates_exactly_the_stages_downstream_of_it():
     assert changed(seed=1) == ["train", "export", "evaluate", "smoke"]
     assert changed(serve={"tp": 8}) == ["smoke"]
     assert changed(launch={"master_port": 29501}) == []  # how it launches does not change what it computes
+    # a run moved or copied elsewhere keeps its finished stages, but evaluates again: evaluate.json names the
+    # drafters by path, and the report would look the new ones up in it
+    assert changed(run_dir="runs/y") == ["evaluate", "smoke"]
 
 
 def test_a_stage_whose_output_format_grew_reruns_with_the_stages_after_it(monkeypatch):
