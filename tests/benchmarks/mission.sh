@@ -14,7 +14,13 @@
 #   commit the tree is, recorded in the reports: the machine's copy has no .git), MISSION_ARGS (config overrides
 #   for every pipeline call, e.g. "--train.epochs 8 --serve.concurrency [1,8]"), GPU_TESTS=0 (skip them), DFLASH=1
 #   (a DFlash drafter too: runs/mission-dflash shares the run's data and features, trains, exports and evaluates
-#   its drafter, and is served beside the EAGLE-3 drafter against the same plain server's measurements)
+#   its drafter, and is served beside the EAGLE-3 drafter against the same plain server's measurements),
+#   MISSION_STAGES (the pipeline's stages, default regenerate,...,evaluate; given, nothing is served),
+#   OPTIONS (EAGLE-3 drafters trained with and without options on the run's data and features, three seeds each,
+#   scored by their training evaluation: compare_options.py --stages data,extract,train; variants NAME=OVERRIDES
+#   separated by ';', beside `plain=`; its record OPTIONS_RECORD, default eagle31-mission-DATE, comes back in
+#   results.tar.gz; nothing is served after it, since the run's drafter is then the last variant's), e.g.
+#   MISSION_STAGES=regenerate,data,extract OPTIONS="fc_norm=--train.drafter.fc_norm=true"
 # The command that reaches the smoke stage first runs the GPU tests (pytest -m gpu, log gpu-tests.log).
 # Then, here: python tests/benchmarks/record_mission.py FILES_AT/mission  (writes tests/benchmarks/results/), and
 # with DFLASH=1 both drafters served: record_smoke.py FILES_AT/mission/smoke-report.json
@@ -41,7 +47,8 @@ collect() {  # at most 8 files come back from $OUT: the reports as they are, the
     $RUN/smoke/*.log $RUN/smoke/*.json $RUN/data/*.report.json $RUN/data/split.json $RUN/data/samples/manifest.json \
     $RUN/train/summary.json $RUN/drafter/README.md $ASSETS/prompts.json $ASSETS/target/training*.json \
     $ASSETS/target/config.json /tmp/gpu-tests.log $DFLASH_RUN/report.json $DFLASH_RUN/evaluate \
-    $DFLASH_RUN/pipeline $DFLASH_RUN/smoke/*.log $DFLASH_RUN/smoke/*.json $DFLASH_RUN/drafter/config.json 2>/dev/null
+    $DFLASH_RUN/pipeline $DFLASH_RUN/smoke/*.log $DFLASH_RUN/smoke/*.json $DFLASH_RUN/drafter/config.json \
+    $RUN/options tests/benchmarks/results/"${OPTIONS_RECORD:-}".json 2>/dev/null
   # the kernels this machine built (device_env.sh's pack_jit), in two archives, so that a large Inductor cache
   # cannot keep SGLang's from coming back; only by the command that reaches the smoke stage: the others return a
   # few kilobytes, so that the next command finds the machine still warm (it is given back 30 s after a command;
@@ -69,8 +76,9 @@ if [ ! -f $ASSETS/target/training.json ]; then
   [ -f $ASSETS/target/training.json ] || { log "target: not finished; run this script again"; exit 0; }
 fi
 
-STAGES=regenerate,data,extract,train,export,evaluate
+STAGES=${MISSION_STAGES:-regenerate,data,extract,train,export,evaluate}
 read -ra OVERRIDES <<< "${MISSION_ARGS:-}"  # split on spaces, never globbed ("[1,8]" is a value, not a pattern)
+[ -z "${OPTIONS:-}" ] || OPTIONS_RECORD=${OPTIONS_RECORD:-eagle31-mission-$(date +%F)}
 PIPELINE=(python3 -m launch.pipeline --config launch/configs/mission.yaml "${OVERRIDES[@]}")
 step "pipeline $RUN: $STAGES" "${PIPELINE[@]}" --run_dir $RUN --stages $STAGES
 if [ -n "${DFLASH:-}" ]; then  # a DFlash drafter on the same data and features: its run shares the EAGLE-3 run's
@@ -80,6 +88,13 @@ if [ -n "${DFLASH:-}" ]; then  # a DFlash drafter on the same data and features:
     --train.drafter.family dflash
 fi
 
+if [ -n "${OPTIONS:-}" ]; then  # each (variant, seed) kept as it finishes: a rerun resumes at the next one
+  IFS=';' read -ra VARIANTS <<< "$OPTIONS"
+  step "options: plain; $OPTIONS" python3 tests/benchmarks/compare_options.py --config launch/configs/mission.yaml \
+    --run-dir $RUN --stages data,extract,train --variant plain= "${VARIANTS[@]/#/--variant=}" --seeds 0,1,2 \
+    --record "$OPTIONS_RECORD" -- "${OVERRIDES[@]}"
+fi
+if [ -n "${MISSION_STAGES:-}${OPTIONS:-}" ]; then log "done: nothing is served (MISSION_STAGES or OPTIONS)"; exit 0; fi
 # the smoke test starts a server per configuration; a rerun skips those already measured: room for one
 if [ "$(left)" -lt 150 ]; then
   log "smoke: $(left) s left, too few to start a server; run this script again"; exit 0
