@@ -238,12 +238,12 @@ def render_drafter_options(record: dict) -> list[str]:
         tokens = evaluated["groups"][group]["heldout_tokens"]
         if "offline_tau_by_steps" in evaluated["groups"][group]:  # an EAGLE-3 drafter: tau at the longest chain
             offline_name = "offline tau"
-            offline_value = lambda run: run["groups"][group]["offline_tau_by_steps"][-1]  # noqa: E731
+            offline_value = lambda run: run["groups"][group]["offline_tau_by_steps"][-1]
             offline_how = (f"Offline tau: over every position of the '{group}' held-out group ({tokens:,} tokens), "
                            f"{len(evaluated['groups'][group]['offline_tau_by_steps'])} steps.")
         else:  # a DFlash drafter: its block accept length on the stored samples
             offline_name = "offline block accept length"
-            offline_value = lambda run: run["groups"][group]["offline_blocks"]  # noqa: E731
+            offline_value = lambda run: run["groups"][group]["offline_blocks"]
             offline_how = (f"Offline block accept length: 1 + drafts of a block equal to the sample's tokens in a "
                            f"row, over blocks anchored in the '{group}' held-out group's samples ({tokens:,} tokens).")
         columns += [("accept length, reference decoder", lambda run: run["accept_length"]),
