@@ -137,7 +137,6 @@ def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(mo
     assert "One seed: no spread, so no difference here is established." in text
 
 
-
 def test_a_drafter_scored_after_training_alone_keeps_its_training_evaluation_and_split(demo_run, monkeypatch):
     """compare_options --stages data,extract,train: the report the pipeline writes when the evaluate stage has not
     run for the drafter it trained (the real demo run's, summarised as if its evaluate stage were stale) still
@@ -193,6 +192,7 @@ def test_options_compared_by_training_evaluation_alone_show_that_column_only():
     assert "| fc_norm | `--train.drafter.fc_norm=true` | 3.400 (3.100-3.500) | " \
            "no measurable difference: +0.400 (-0.100 to +0.400) |" in text
     assert "Reference decoder" not in text and "Training evaluation: 1 + sum of P, over 900 positions" in text
+
 
 def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: list[float]) -> dict:
     """A stand-in serve.smoke report (made-up figures, the keys serve.smoke writes) of one speculative server."""
