@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 from data.config import ConfigError, EyrieConfig, load_config
 from data.files import atomic_write_json
 from data.shards import MANIFEST, read_manifest
-from data.split import primary_group
+from data.split import primary_group, read_split
 
 from . import stage_process
 from .check import launch_problem
@@ -285,7 +285,7 @@ def summarize(cfg: EyrieConfig, report: dict, prints: dict[str, str]) -> dict:
     run = cfg.layout
     if stage_done(cfg, "data", prints):
         manifest = read_manifest(run.samples)
-        split = json.loads(run.split.read_text())  # the held-out rule and overlap, whatever stage runs next
+        split = read_split(run.split)  # the held-out rule and overlap, whatever stage runs next
         report |= {"samples": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
                    "loss_tokens": manifest["totals"]["loss_tokens"], "draft_vocab": manifest["vocab"],
                    "split": {k: split[k] for k in ("rule", "training_samples", "heldout_samples", "groups",
