@@ -11,6 +11,12 @@ RESULTS = Path(render_results.__file__).parent / "results"
 ROOT = Path(render_results.__file__).parents[2]
 
 
+@pytest.fixture
+def scripts(monkeypatch):
+    """tests/benchmarks' scripts import one another as top-level modules: their folder goes on sys.path."""
+    monkeypatch.syspath_prepend(str(RESULTS.parent))
+
+
 def test_results_md_is_what_the_results_files_render():
     assert render_results.OUT.read_text() == render_results.render(), \
         "tests/benchmarks/RESULTS.md is stale: run python tests/benchmarks/render_results.py"
@@ -105,10 +111,9 @@ def test_options_are_compared_with_the_first_variant_paired_by_seed():
            "2.200 (1.900-2.300) | no measurable difference: +0.000 (-0.100 to +0.200) |" in text
 
 
-def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(monkeypatch):
+def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(scripts):
     """A stand-in record (not a measurement: made-up figures) of one seed, whose second variant's evaluate stage did
     not run: its other cells read "not run", and one seed's difference says it has no spread."""
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import compare_options
     train_eval = {"accept_length": 3.0, "chains": 900.0, "tokens": 1500.0, "acc_step0": 0.7,
                   "p_accepted_through_step0": 0.7, "p_accepted_through_step1": 0.5, "p_accepted_through_step2": 0.3}
@@ -137,11 +142,10 @@ def test_a_variant_cut_off_after_training_shows_its_training_evaluation_alone(mo
     assert "One seed: no spread, so no difference here is established." in text
 
 
-def test_a_drafter_scored_after_training_alone_keeps_its_training_evaluation_and_split(demo_run, monkeypatch):
+def test_a_drafter_scored_after_training_alone_keeps_its_training_evaluation_and_split(demo_run, scripts):
     """compare_options --stages data,extract,train: the report the pipeline writes when the evaluate stage has not
     run for the drafter it trained (the real demo run's, summarised as if its evaluate stage were stale) still
     gives the training evaluation, the steps and the held-out overlap; the evaluated figures are None."""
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import compare_options
 
     from data.config import load_config
@@ -162,8 +166,7 @@ def test_a_drafter_scored_after_training_alone_keeps_its_training_evaluation_and
     assert alone["heldout_overlap_with_training"] == evaluated["heldout_overlap_with_training"] == 0
 
 
-def test_a_comparison_by_training_evaluation_alone_refuses_dflash_before_training(tmp_path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
+def test_a_comparison_by_training_evaluation_alone_refuses_dflash_before_training(tmp_path, scripts, capsys):
     import compare_options
     with pytest.raises(SystemExit) as stopped:
         compare_options.main(["--config", str(ROOT / "launch/configs/demo.yaml"), "--run-dir", str(tmp_path),
@@ -214,11 +217,10 @@ def served_report(drafter: str, server: str, tokens_per_s: list[float], plain: l
                                       "token_parity_with_reference_decoder": 0.9}}}
 
 
-def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, monkeypatch):
+def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, scripts):
     """record_smoke with two stand-in reports: one row per drafter, each speedup over the shared plain server's
     passes, a drafter served on another copy of its target flagged, extract.parity's figures as a table; reports
     measured against different plain servers are refused."""
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import record_smoke
     plain = [100.0, 101.0, 102.0]
     reports = [served_report("a", "eagle3", [120.0, 125.0, 130.0], plain),
@@ -261,11 +263,10 @@ def test_drafters_served_beside_one_plain_server_make_one_table(tmp_path, monkey
                            "--command", "c", "--out", str(tmp_path)])
 
 
-def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, monkeypatch):
+def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, monkeypatch, scripts):
     """bench_train's --append: two commands' rows make one table (a row measured again replaces the old one, each
     command listed once however often a run rewrites the file); a run at another commit is refused. Stand-in rows
     (made-up figures), written to a temporary folder."""
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import bench_train
     monkeypatch.setenv("EYRIE_COMMIT", "a" * 40)
     rows = {name: {"peer": name, "shape": "kimi-k2.5-kv8", "T": 2048, "tokens_per_s": n}
@@ -283,11 +284,10 @@ def test_a_record_is_appended_to_only_from_the_same_commit_and_device(tmp_path, 
         bench_train.record("kv8", ["--peers", "specforge"], again, append=True, results=tmp_path)
 
 
-def test_drafters_evaluated_on_one_run_are_compared_paired_by_seed(tmp_path, monkeypatch):
+def test_drafters_evaluated_on_one_run_are_compared_paired_by_seed(tmp_path, scripts):
     """record_evaluate with a stand-in serve.evaluate report (made-up figures, the keys serve.evaluate writes): two
     variants of two drafters each, paired by seed; a drafter missing from the report and unequal training steps are
     refused."""
-    monkeypatch.syspath_prepend(str(Path(render_results.__file__).parent))
     import record_evaluate
     accepts = {"a0": 2.8, "a1": 2.9, "b0": 2.8, "b1": 2.7}
     for name in accepts:
