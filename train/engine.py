@@ -229,8 +229,12 @@ class Checkpoints:
     def __init__(self, directory: Path, keep_last: int):
         self.dir, self.keep_last = directory, keep_last
 
+    @staticmethod
+    def tag(step: int) -> str:
+        return f"step{step}"
+
     def save(self, engine, step: int, state: dict) -> str:
-        tag = f"step{step}"
+        tag = self.tag(step)
         if dist.get_rank() == 0:
             (self.dir / tag).mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.dir / tag / STATE_FILE, state)

@@ -117,8 +117,20 @@ def main(argv: list[str] | None = None) -> None:
                 f"{data.padding_fraction(data.epoch_plan(0)):.1%}" + (f", resumed at step {state['step']}"
                                                                       if state["step"] else ""))
 
+    def evaluate_and_keep_best(step: int, tag: str | None) -> dict | None:
+        nonlocal best
+        metrics = evaluate(engine, family, data, device, dtype)
+        if metrics:
+            log.log(step, metrics, "eval")
+            if metrics["accept_length"] > best:
+                best = metrics["accept_length"]
+                tag = tag or checkpoints.save(engine, step, state)
+                checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+        return metrics
+
     stats, waited, t0 = family.stats(), 0.0, time.perf_counter()
-    step, eval_metrics, stop, stopped = state["step"], None, StopSignal(), 0
+    resumed_at = step = state["step"]
+    eval_metrics, stop, stopped = None, StopSignal(), 0
     epochs_needed = math.ceil(total / steps_per_epoch) + 1
     stream = data.stream(state["epoch"], state["micro"], epochs_needed, pin=device.type == "cuda")
     for epoch, micro, batch, wait in stream:
@@ -151,13 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         stopped = stop.agreed() if step < total else 0
         tag = checkpoints.save(engine, step, state) if step % tc.save_every == 0 or step == total or stopped else None
         if (step % tc.eval_every == 0 or step == total) and not stopped:
-            eval_metrics = evaluate(engine, family, data, device, dtype)
-            if eval_metrics:
-                log.log(step, eval_metrics, "eval")
-                if eval_metrics["accept_length"] > best:
-                    best = eval_metrics["accept_length"]
-                    tag = tag or checkpoints.save(engine, step, state)
-                    checkpoints.mark_best(tag, {"step": step, "accept_length": best})
+            eval_metrics = evaluate_and_keep_best(step, tag)
         if stopped:
             log.message(f"[train] stopped by signal {stopped} at step {step}/{total}, saved {tag}; "
                         "run again to resume from it")
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         if step >= total:
             break
     stream.close()
+    if resumed_at >= total:
+        # resumed at the last step: its checkpoint was saved, but its evaluation (and so the summary) was cut off,
+        # as a time limit did once on the H100 while the final evaluation compiled: evaluate the checkpoint now
+        eval_metrics = evaluate_and_keep_best(step, Checkpoints.tag(step))
     log.close()
     if rank == 0 and not stopped:
         atomic_write_json(layout.train_summary, {

@@ -1,13 +1,18 @@
 """Training (two DeepSpeed ranks, ZeRO-2) under kill -9 at random steps and during a checkpoint save, under
 SIGINT, and under a disk that refuses the checkpoint's writes: the resumed loss curve equals the uninterrupted
-one."""
+one. A run cut off inside its final evaluation evaluates its last checkpoint when rerun."""
+import json
 import os
 import random
 import re
+import shutil
 import signal
 import time
 
+import pytest
+
 from tests.train_runs import finish, launch, losses, with_run_dir
+from train.engine import BEST_FILE
 
 from .faults import file_size_limit, kill_points
 
@@ -118,3 +123,23 @@ def test_sigint_saves_at_the_step_it_stopped_and_the_rerun_resumes_there(zero2_r
     off = resume_and_compare(config, run, reference)  # resumes at step `at`, on the uninterrupted curve
     survival("training: SIGINT (2 ranks), then re-run", 1, int(off == 0), f"{off} steps")
     assert off == 0
+
+
+def test_a_run_cut_off_in_its_final_evaluation_evaluates_its_last_checkpoint_on_rerun(zero2_run, features_run,
+                                                                                      tmp_path):
+    """A time limit that kills training after the last step's checkpoint but inside its evaluation leaves no
+    summary and no evaluation of that checkpoint: the rerun resumes at the last step and evaluates it there,
+    instead of writing a summary without an evaluation (the mission run lost a drafter's figure so)."""
+    finished, _ = zero2_run
+    run = tmp_path / "run"
+    shutil.copytree(finished / "train", run / "train")
+    (run / "train" / "summary.json").unlink()  # as killed mid-evaluation: no summary, no best mark
+    (run / "train" / "checkpoints" / BEST_FILE).unlink(missing_ok=True)
+    out = finish(launch(with_run_dir(features_run, run)))
+    assert f"resumed at step {STEPS}" in out
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    original = json.loads((finished / "train" / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["eval"] is not None
+    assert summary["eval"]["accept_length"] == pytest.approx(original["eval"]["accept_length"], abs=1e-6)
+    assert summary["best"] == {"tag": f"step{STEPS}", "step": STEPS, "accept_length": summary["eval"]["accept_length"]}
+    assert max(losses(run)) == STEPS  # no step trained again
