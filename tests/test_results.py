@@ -176,6 +176,43 @@ def test_a_comparison_by_training_evaluation_alone_refuses_dflash_before_trainin
     assert not (tmp_path / "options").exists()
 
 
+def test_a_comparison_cut_off_by_a_time_limit_keeps_whole_pairs_and_resumes(tmp_path, scripts, monkeypatch):
+    """Seed by seed, every variant of a seed before the next, the record rewritten after each seed. The pipeline
+    is a stand-in here (made-up reports, no training): the test is of the order, the record and the resumption."""
+    import compare_options
+    calls = []
+
+    def stand_in_pipeline(config, run_dir, overrides, seed, extra, stages):
+        if len(calls) == limit:
+            raise KeyboardInterrupt  # the time limit's SIGINT
+        calls.append((overrides, seed))
+        accept = 3.0 + seed / 10 + 0.2 * bool(overrides)
+        return {"commit": "1" * 40, "train": {"steps": 128, "eval": {
+            "accept_length": accept, "chains": 900.0, "tokens": 1500.0, "acc_step0": 0.7,
+            "p_accepted_through_step0": 0.7}}, "split": {"heldout_overlap_with_training": 0}}
+    monkeypatch.setattr(compare_options, "run_variant", stand_in_pipeline)
+    args = ["--config", str(ROOT / "launch/configs/demo.yaml"), "--run-dir", str(tmp_path / "run"), "--variant",
+            "plain=", "--variant", "fc_norm=--train.drafter.fc_norm=true", "--stages", "data,extract,train",
+            "--seeds", "0,1,2", "--record", "cut", "--out", str(tmp_path)]
+    fc_norm = ["--train.drafter.fc_norm=true"]
+    limit = 3
+    with pytest.raises(KeyboardInterrupt):
+        compare_options.main(args)
+    assert calls == [([], 0), (fc_norm, 0), ([], 1)]
+    cut = json.loads((tmp_path / "cut.json").read_text())["results"]
+    assert cut["seeds"] == [0] and [len(v["runs"]) for v in cut["variants"].values()] == [1, 1]
+    text = "\n".join(render_results.render_drafter_options(json.loads((tmp_path / "cut.json").read_text())))
+    assert "| fc_norm | `--train.drafter.fc_norm=true` | 3.200 (one seed) | +0.200 (one seed: no spread) |" in text
+    calls.clear()
+    limit = None
+    compare_options.main(args)  # resumed: plain seed 1 was kept, so it is not trained again
+    assert calls == [(fc_norm, 1), ([], 2), (fc_norm, 2)]
+    whole = json.loads((tmp_path / "cut.json").read_text())["results"]
+    assert whole["seeds"] == [0, 1, 2]
+    assert [r["training_heldout"]["accept_length"] for r in whole["variants"]["fc_norm"]["runs"]] == \
+        pytest.approx([3.2, 3.3, 3.4])
+
+
 def test_options_compared_by_training_evaluation_alone_show_that_column_only():
     """A stand-in record (not a measurement: made-up figures) of three seeds where no run was evaluated."""
     def run(seed: int, accept: float) -> dict:

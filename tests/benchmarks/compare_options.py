@@ -13,10 +13,12 @@ data and extract run once, since their inputs do not change; train, export and e
 pipeline sets the previous drafter run aside as RUN/train.prev-N: delete those where disk is short). With
 `--stages data,extract,train` each drafter is scored by its training evaluation alone (every held-out sample, in
 the unroll it trains with; an EAGLE-3 drafter's figure): on the mission target the export and evaluate stages it
-skips are a third of a variant's time (57 + 114 s of 484 on an H100), the figures they give read "not run". Each report
-is kept as RUN/options/VARIANT-seedS.json, and an invocation whose report exists is not run again (a comparison
-cut off by a time limit resumes, and a variant added later runs alone). A variant's difference to the first
-variant is paired by seed: same data, same initialisation seed, same steps.
+skips are a third of a variant's time (57 + 114 s of 484 on an H100), the figures they give read "not run". Each
+report is kept as RUN/options/VARIANT-seedS.json, and an invocation whose report exists is not run again (a
+comparison cut off by a time limit resumes, and a variant added later runs alone). Every variant of a seed runs
+before the next seed, and the record is rewritten after each seed, so one cut off by a time limit holds whole
+pairs. A variant's difference to the first variant is paired by seed: same data, same initialisation seed, same
+steps.
 """
 from __future__ import annotations
 
@@ -108,20 +110,24 @@ def main(argv: list[str] | None = None) -> Path:
     run_dir = Path(a.run_dir)
     kept = run_dir / "options"
     kept.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for name, overrides in variants.items():
-        for seed in seeds:
+    command = shlex.join(["python", str(Path(__file__).relative_to(ROOT)), *argv])
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for seed in seeds:
+        for name, overrides in variants.items():
             path = kept / f"{name}-seed{seed}.json"
             if not path.exists():  # kept with the commit that trained it: a resumed comparison may span commits
                 report = run_variant(a.config, run_dir, overrides, seed, extra, a.stages)
                 path.write_text(json.dumps(report | {"commit": measured_at["commit"]}, indent=1))
-            runs.setdefault(name, []).append({"seed": seed} | summary(json.loads(path.read_text())))
-    command = shlex.join(["python", str(Path(__file__).relative_to(ROOT)), *argv])
-    record = {"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(), "commands": [command],
-              "commit": measured_at["commit"], "environment": measured_at, "notes": a.note, "invalid": {},
-              "results": {"config": a.config, "extra_arguments": extra, "seeds": seeds,
-                          "variants": {name: {"overrides": variants[name], "runs": runs[name]} for name in variants}}}
-    return write_record(record, a.out)
+            runs[name].append({"seed": seed} | summary(json.loads(path.read_text())))
+        # what a comparison cut off later measured is a record too; its seeds say how far it came
+        done = seeds[:seeds.index(seed) + 1]
+        out = write_record({"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(),
+                            "commands": [command], "commit": measured_at["commit"], "environment": measured_at,
+                            "notes": a.note, "invalid": {},
+                            "results": {"config": a.config, "extra_arguments": extra, "seeds": done,
+                                        "variants": {name: {"overrides": variants[name], "runs": runs[name]}
+                                                     for name in variants}}}, a.out)
+    return out
 
 
 if __name__ == "__main__":
