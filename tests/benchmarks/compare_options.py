@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> Path:
     kept.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", str(Path(__file__).relative_to(ROOT)), *argv])
     runs: dict[str, list[dict]] = {name: [] for name in variants}
-    for seed in seeds:
+    for done, seed in enumerate(seeds, start=1):
         for name, overrides in variants.items():
             path = kept / f"{name}-seed{seed}.json"
             if not path.exists():  # kept with the commit that trained it: a resumed comparison may span commits
@@ -120,11 +120,10 @@ def main(argv: list[str] | None = None) -> Path:
                 path.write_text(json.dumps(report | {"commit": measured_at["commit"]}, indent=1))
             runs[name].append({"seed": seed} | summary(json.loads(path.read_text())))
         # what a comparison cut off later measured is a record too; its seeds say how far it came
-        done = seeds[:seeds.index(seed) + 1]
         out = write_record({"name": a.record, "kind": "drafter_options", "date": date.today().isoformat(),
                             "commands": [command], "commit": measured_at["commit"], "environment": measured_at,
                             "notes": a.note, "invalid": {},
-                            "results": {"config": a.config, "extra_arguments": extra, "seeds": done,
+                            "results": {"config": a.config, "extra_arguments": extra, "seeds": seeds[:done],
                                         "variants": {name: {"overrides": variants[name], "runs": runs[name]}
                                                      for name in variants}}}, a.out)
     return out
