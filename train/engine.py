@@ -226,12 +226,14 @@ def warm_start(model: torch.nn.Module, drafter_dir: str | Path, target: str | Pa
 
 
 class Checkpoints:
+    PREFIX = "step"  # a checkpoint's tag is PREFIX + its step: `tag` writes it, `_tags` reads it back
+
     def __init__(self, directory: Path, keep_last: int):
         self.dir, self.keep_last = directory, keep_last
 
-    @staticmethod
-    def tag(step: int) -> str:
-        return f"step{step}"
+    @classmethod
+    def tag(cls, step: int) -> str:
+        return f"{cls.PREFIX}{step}"
 
     def save(self, engine, step: int, state: dict) -> str:
         tag = self.tag(step)
@@ -267,8 +269,10 @@ class Checkpoints:
 
     def _tags(self) -> list[str]:
         """The saved tags, oldest first."""
-        return sorted((p.name for p in self.dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
-                      key=lambda name: int(name[4:]))
+        def step(name: str) -> str:
+            return name.removeprefix(self.PREFIX)
+        return sorted((p.name for p in self.dir.glob(f"{self.PREFIX}*") if p.is_dir() and step(p.name).isdigit()),
+                      key=lambda name: int(step(name)))
 
     def _prune(self) -> None:
         best = (self.best() or {}).get("tag")
