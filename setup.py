@@ -35,6 +35,6 @@ setup(
     extras_require={
         # 0.5.14 serves on the GPU machine (torch 2.11); 0.5.23 is the CPU loader check's version.
         "sglang": ["sglang>=0.5.14,<=0.5.23"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "psutil"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "psutil"],
     },
 )

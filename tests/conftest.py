@@ -9,6 +9,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the workers share the cores, torch in each its part
+    import torch
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from launch.demo_target import build_tokenizer, make_conversations  # noqa: E402
 from tests.templates import SPECIALS  # noqa: E402
 from tests.train_runs import TRAIN  # noqa: E402
@@ -119,12 +123,19 @@ RELIABILITY: list[dict] = []
 
 
 @pytest.fixture
-def survival():
+def survival(request):
     """record(case, tried, survived, lost): one row of the reliability table printed after the run (and written
-    as Markdown to $EYRIE_RELIABILITY_TABLE when set)."""
+    as Markdown to $EYRIE_RELIABILITY_TABLE when set). The row travels in the test's report, which pytest-xdist
+    brings back from its worker to the process that prints the summary."""
     def record(case: str, tried: int, survived: int, lost: int | str = 0) -> None:
-        RELIABILITY.append({"case": case, "tried": tried, "survived": survived, "lost": lost})
+        request.node.user_properties.append(
+            ("survival", {"case": case, "tried": tried, "survived": survived, "lost": lost}))
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        RELIABILITY.extend(row for name, row in report.user_properties if name == "survival")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -136,3 +147,53 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("\n".join(lines))
     if os.environ.get("EYRIE_RELIABILITY_TABLE"):
         Path(os.environ["EYRIE_RELIABILITY_TABLE"]).write_text("\n".join(lines) + "\n")
+
+
+# `pytest -n 2` (the README's test command, pytest-xdist) hands the workers whole work units: the files that use
+# one of these session fixtures together, so that it is built once and not once per worker, and every other file
+# alone, so that its module fixtures are built once. Largest first, so that the two workers finish together: the
+# shared fixtures' units (about 270 and 185 s of the serial suite's 950 on the 2-core CI machine), then the files
+# holding a test marked slow, then the rest.
+SHARED_FIXTURE_FILES = {
+    "features_run": ("tests/reliability/test_train_faults.py", "tests/train/test_drafter.py",  # zero2_run and
+                     "tests/serve/test_export.py", "tests/train/test_dflash.py",            # zero3_run too
+                     "tests/serve/test_eagle31_export.py", "tests/train/test_trainer.py"),
+    "demo_run": ("tests/serve/test_decode.py", "tests/serve/test_smoke.py", "tests/test_results.py"),
+}
+
+
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return next((fixture for fixture, files in SHARED_FIXTURE_FILES.items() if path in files), path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The work units' order (above); and the table kept whole: a file using one of its fixtures but missing from
+    it would build that fixture on a second worker."""
+    for item in items:
+        for fixture in SHARED_FIXTURE_FILES:
+            if fixture in item.fixturenames and work_unit(item.nodeid) != fixture:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its file to SHARED_FIXTURE_FILES "
+                                        "in tests/conftest.py")
+    order = list(SHARED_FIXTURE_FILES)
+    slow = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        unit = work_unit(item.nodeid)
+        return order.index(unit) if unit in order else len(order) + (unit not in slow)
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        """xdist's scope scheduling with `work_unit` as the scope, in collection order."""
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    if config.getvalue("dist") != "load":  # the default of -n; another one asked for is left to xdist
+        return None
+    config.option.loadscopereorder = False  # its reordering is by test count, not by cost
+    return ByWorkUnit(config, log)

@@ -18,6 +18,7 @@ def pipeline(config, *args):
     return run_pipeline(config, "--stages", "data,extract,train", *args, timeout=400)
 
 
+@pytest.mark.slow
 def test_stages_skip_when_done_and_rerun_when_their_config_changes(tiny_target, tmp_path):
     convs = tmp_path / "c.jsonl"
     convs.write_text("".join(json.dumps(c) + "\n" for c in make_conversations(30, seed=2)))

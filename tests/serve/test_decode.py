@@ -3,6 +3,7 @@ untrained one, and the offline evaluator agreeing with the decoder's measured ac
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from serve.decode import Target, greedy, speculative
@@ -12,6 +13,7 @@ from data.split import read_split
 from serve.evaluate import heldout_prompts
 
 
+@pytest.mark.slow
 def test_demo_report_has_the_measured_acceptance(demo_run):
     run, _, out = demo_run
     report = json.loads((run / "report.json").read_text())
@@ -82,6 +84,7 @@ def test_lossless_with_four_draft_steps_trained_and_untrained(demo_run):
     assert lengths["drafter-untrained"] < 1.3 and lengths["drafter"] > lengths["drafter-untrained"] + 1.0, lengths
 
 
+@pytest.mark.slow
 def test_a_dflash_drafter_on_the_demo_features_is_trained_exported_and_evaluated(demo_run, tmp_path):
     """train.drafter.family: dflash through the pipeline's train, export and evaluate stages on the demo's own
     data and features (shared, as a second run_dir would): the reference decoder drafts blocks of 8 losslessly

@@ -131,6 +131,7 @@ def test_the_demo_targets_servable_mla_widths_reach_the_drafter_and_sglangs_load
     export_and_check_with_sglang(drafter, tmp_path / "mla")
 
 
+@pytest.mark.slow
 def test_the_mla_drafter_end_to_end_on_a_trained_tiny_deepseek_target(tmp_path):
     """A tiny DeepseekV3 target trained on the demo corpus (narrow MLA widths: nothing here serves it through
     SGLang) → regenerate → data → extract (2 ranks) → train (ZeRO-2, 2 ranks, the MLA drafter) → export →
