@@ -154,6 +154,8 @@ def pytest_terminal_summary(terminalreporter):
 # alone, so that its module fixtures are built once. Largest first, so that the two workers finish together: the
 # shared fixtures' units (about 270 and 185 s of the serial suite's 950 on the 2-core CI machine), then the files
 # holding a test marked slow, then the rest.
+# (Not xdist's `--dist loadgroup`: it groups by renaming node ids, which pytest 9.2's nodes no longer take, and
+# its groups were silently ignored.)
 SHARED_FIXTURE_FILES = {
     "features_run": ("tests/reliability/test_train_faults.py", "tests/train/test_drafter.py",  # zero2_run and
                      "tests/serve/test_export.py", "tests/train/test_dflash.py",            # zero3_run too
